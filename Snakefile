@@ -1,0 +1,136 @@
+# wamrl: one RL iteration is a DAG of stage commands over on-disk artifacts.
+#
+#   snakemake --cores all iter_042/eval.json          run or resume 42 iterations, score the last
+#   snakemake --cores all -f iter_003/reward.done     rerun one stage on saved rollouts
+#   snakemake --cores all all                         pipeline.iterations, eval every eval.every
+#
+# Config: configs/default.yaml, then --configfile files, then --config 'section={key: value}';
+# validated against configs/schema.yaml before any job. The resolved config is written to
+# .wamrl/config.yaml in the run directory, where every stage command reads it.
+import sys
+from pathlib import Path
+
+from wamrl.config import RUN_CONFIG, ConfigError, coerce_strings, dump, expand_dotted, load_config
+from wamrl.atomic import write_text
+
+# Iteration n depends on n-1 for every n: building the DAG of hundreds of iterations
+# recurses that deep, beyond Python's default limit.
+sys.setrecursionlimit(max(sys.getrecursionlimit(), 200_000))
+
+try:
+    CFG = load_config(overrides=expand_dotted(coerce_strings(config)))
+except ConfigError as e:
+    raise WorkflowError(str(e)) from None
+if not (Path(RUN_CONFIG).is_file() and Path(RUN_CONFIG).read_text() == dump(CFG)):
+    write_text(Path(RUN_CONFIG), dump(CFG))
+
+W = CFG["rollout"]["workers"]
+GPU = 0 if CFG["device"] == "cpu" else 1
+WAMRL = str(Path(sys.executable).with_name("wamrl")) if Path(sys.executable).with_name("wamrl").exists() else "wamrl"
+
+wildcard_constraints:
+    it=r"\d{3}",
+    w=r"\d{3}",
+
+
+def prev(wc):
+    return f"{int(wc.it) - 1:03d}"
+
+
+def policy_of(n):
+    # ancient(): a checkpoint of an earlier iteration counts as old, so rerunning one stage
+    # of iteration n redoes n's downstream jobs, not every later iteration.
+    return ancient(f"iter_{n}/policy")
+
+
+def every_eval():
+    n, every = CFG["pipeline"]["iterations"], CFG["eval"]["every"]
+    its = sorted({i for i in range(every, n + 1, every)} | {n})
+    return [f"iter_{i:03d}/eval.json" for i in its]
+
+
+rule all:
+    input:
+        every_eval(),
+
+
+rule init:
+    output:
+        directory("iter_000/policy"),
+    shell:
+        "{WAMRL} init --run-dir ."
+
+
+rule rollout:
+    input:
+        policy=lambda wc: policy_of(prev(wc)),
+    output:
+        directory("iter_{it}/rollouts/shard_{w}.zarr"),
+    threads: CFG["rollout"]["envs_per_worker"]
+    resources:
+        gpu=GPU,
+    shell:
+        "{WAMRL} rollout --iter {wildcards.it} --worker {wildcards.w} --run-dir ."
+
+
+rule reward:
+    input:
+        shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
+        live=lambda wc: policy_of(prev(wc)),
+        frozen=policy_of("000"),
+    output:
+        "iter_{it}/reward.done",
+    resources:
+        gpu=GPU,
+    shell:
+        "{WAMRL} reward --iter {wildcards.it} --run-dir ."
+
+
+rule actor:
+    input:
+        "iter_{it}/reward.done",
+        shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
+        policy=lambda wc: policy_of(prev(wc)),
+    output:
+        directory("iter_{it}/actor"),
+    resources:
+        gpu=GPU,
+    shell:
+        "{WAMRL} actor --iter {wildcards.it} --run-dir ."
+
+
+rule world_model:
+    # Independent of the actor: it reads only the video-SFT frames and changes only LoRA.
+    input:
+        shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
+        policy=lambda wc: policy_of(prev(wc)),
+        frozen=policy_of("000"),
+    output:
+        directory("iter_{it}/world_model"),
+    resources:
+        gpu=GPU,
+    shell:
+        "{WAMRL} world-model --iter {wildcards.it} --run-dir ."
+
+
+rule merge:
+    input:
+        "iter_{it}/actor",
+        "iter_{it}/world_model",
+        policy=lambda wc: policy_of(prev(wc)),
+    output:
+        directory("iter_{it,(?!000)\\d{3}}/policy"),
+    shell:
+        "{WAMRL} merge --iter {wildcards.it} --run-dir ."
+
+
+rule eval:
+    input:
+        "iter_{it}/policy",
+    output:
+        "iter_{it}/eval.json",
+    threads: CFG["eval"]["envs"]
+    resources:
+        gpu=GPU,
+    shell:
+        "{WAMRL} eval --iter {wildcards.it} --run-dir ."

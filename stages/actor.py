@@ -1,0 +1,80 @@
+"""Actor stage: PPO over the kept macro-steps -> iter_n/actor/.
+
+Inputs: the shards with reward/, iter_n/reward.done, iter_{n-1}/policy (and
+iter_{n-1}/actor/optimizer.* if present, so Adam's moments carry across iterations;
+iter_000/policy as the reference actor when actor.ref_kl > 0). Outputs, atomically:
+actor.safetensors (the actor group's tensors, names as in policy.state_dict()),
+optimizer.safetensors + optimizer.json, metrics.json (with the resolved config).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from wamrl import paths
+from wamrl.atomic import atomic_dir, write_json
+from wamrl.ppo import (
+    actor_update,
+    load_actor_data,
+    optimizer_from_tensors,
+    optimizer_to_tensors,
+    param_names,
+)
+
+
+def _device(cfg: dict[str, Any]) -> str:
+    d = str(cfg.get("device", "cpu"))
+    return ("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
+    from wamrl.policy.text import load_contexts
+
+    from wamrl.policy import load_policy
+
+    run_dir = Path(run_dir)
+    device = _device(cfg)
+    done = json.loads(paths.reward_done(run_dir, iteration).read_text())
+    prev_dir = paths.policy_dir(run_dir, iteration - 1)
+    policy = load_policy(prev_dir, device=device)
+    context, mask = load_contexts(prev_dir / "context.safetensors")
+    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    data = load_actor_data(
+        shards, context, mask, cfg, done.get("groups_kept", 0), done.get("groups_total", 0)
+    )
+
+    acfg = cfg["actor"]
+    ref = (
+        load_policy(paths.policy_dir(run_dir, 0), device=device)
+        if float(acfg["ref_kl"]) != 0
+        else None
+    )
+    params = policy.parameter_groups()["actor"]
+    names = param_names(policy, params)
+    ids = {id(p) for p in params}
+    for p in policy.parameters():  # the video expert is frozen in this stage
+        p.requires_grad_(id(p) in ids)
+    opt = torch.optim.Adam(params, lr=float(acfg["lr"]))
+    restored = 0
+    prev_opt = paths.actor_dir(run_dir, iteration - 1) / "optimizer.safetensors"
+    if prev_opt.exists():
+        restored = optimizer_from_tensors(opt, names, load_file(prev_opt))
+
+    metrics = actor_update(
+        policy, ref, data, cfg, opt, device=device, seed=int(cfg["seed"]) * 1000 + iteration
+    )
+    metrics["optimizer_state_restored_params"] = restored
+
+    state = policy.state_dict()
+    actor_tensors = {n: state[n].detach().cpu().contiguous() for n in names}
+    opt_tensors, opt_meta = optimizer_to_tensors(opt, names)
+    with atomic_dir(paths.actor_dir(run_dir, iteration)) as tmp:
+        save_file(actor_tensors, str(tmp / "actor.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        write_json(tmp / "optimizer.json", opt_meta)
+        write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})

@@ -1,0 +1,111 @@
+"""Eval stage: deterministic (a = 0, K = 20) success on the LIBERO tasks -> eval.json.
+
+Each task runs `episodes_per_task` episodes from its fixed init states 0, 1, ...; the
+initial noise of every query comes from a per-episode seed, so a rerun reproduces the
+result exactly. Optional mp4s of the first `eval.videos` episodes go to iter_n/eval_videos/.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wamrl import paths
+from wamrl.atomic import atomic_dir, write_json
+from wamrl.envs.tasks import tasks_in_suites
+from wamrl.runtime import pick_device, set_gl_backend
+
+
+def summarise(tasks, episodes: list[tuple[int, bool]]) -> dict[str, Any]:
+    """Per-task and per-suite success rates; the average is over tasks (suites weigh by size)."""
+    by_task: dict[int, list[bool]] = defaultdict(list)
+    for task_index, success in episodes:
+        by_task[task_index].append(success)
+    out_tasks = {}
+    suite_rates: dict[str, list[float]] = defaultdict(list)
+    for t in tasks:
+        res = by_task[t.index]
+        rate = float(np.mean(res)) if res else 0.0
+        out_tasks[t.name] = {"suite": t.suite, "success_rate": rate, "episodes": len(res)}
+        suite_rates[t.suite].append(rate)
+    suites = {s: float(np.mean(r)) for s, r in suite_rates.items()}
+    average = float(np.mean([v["success_rate"] for v in out_tasks.values()]))
+    return {"tasks": out_tasks, "suites": suites, "average": average}
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
+    set_gl_backend(cfg)
+    from stages.reward import checkpoint_sha256
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.pool import EnvPool
+    from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
+    from wamrl.rollout import EpisodeSpec, SamplerSettings, run_episodes
+
+    run_dir = Path(run_dir)
+    policy_dir = paths.policy_dir(run_dir, iteration)
+    if not (policy_dir / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
+    e = cfg["eval"]
+    tasks = tasks_in_suites(e["suites"])
+    if e["tasks"] is not None:
+        tasks = [t for t in tasks if t.index in set(e["tasks"])]
+        if not tasks:
+            raise ValueError(f"eval.tasks {e['tasks']} selects no task of eval.suites {e['suites']}")
+    specs = [
+        EpisodeSpec(
+            task=t,
+            init_state=k % t.n_init_states,
+            group=t.index,
+            record_video=n < e["videos"],
+            noise_seed=int(np.random.SeedSequence([e["seed"], t.index, k]).generate_state(1)[0]),
+        )
+        for n, (t, k) in enumerate((t, k) for t in tasks for k in range(e["episodes_per_task"]))
+    ]
+    device = pick_device(cfg)
+    torch.set_num_threads(1)
+    policy = load_policy(policy_dir, device=device).eval()
+    context, mask = load_contexts(policy_dir / "context.safetensors")
+    normalizer = Normalizer.load(policy_dir / "stats.json")
+    results: list[tuple[int, bool]] = []
+    videos: dict[int, np.ndarray] = {}
+
+    def on_episode(i: int, data) -> None:
+        results.append((data.task, bool(data.success)))
+        if data.video_frames is not None:
+            videos[i] = data.video_frames
+
+    start = time.time()
+    with EnvPool(e["envs"], policy_dir / "stats.json", dict(cfg["env"]), seed=e["seed"]) as pool:
+        run_episodes(
+            policy, pool, specs, context.to(device), mask.to(device), normalizer,
+            SamplerSettings(e["K"], 0.0, cfg["sampler"]["shift"]),
+            e["max_macro_steps"], seed=e["seed"], on_episode=on_episode, device=device,
+            description=f"eval iter {iteration}",
+        )
+    report = {
+        "iteration": iteration,
+        "checkpoint_sha256": checkpoint_sha256(policy_dir),
+        "episodes_per_task": e["episodes_per_task"],
+        **summarise(tasks, results),
+        "wall_time_s": round(time.time() - start, 2),
+        "config": cfg,
+    }
+    if videos:
+        write_videos(paths.iter_dir(run_dir, iteration) / "eval_videos", videos, specs)
+    write_json(paths.eval_json(run_dir, iteration), report)
+
+
+def write_videos(folder: Path, videos: dict[int, np.ndarray], specs) -> None:
+    import imageio.v2 as imageio
+
+    with atomic_dir(folder) as tmp:
+        for i, frames in sorted(videos.items()):
+            s = specs[i]
+            name = f"{s.task.index:02d}_{s.task.name[:60]}_init{s.init_state}.mp4"
+            imageio.mimwrite(tmp / name, list(frames), fps=20, macro_block_size=16)

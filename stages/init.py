@@ -1,0 +1,52 @@
+"""Init stage (iteration 0): the base policy, per-task text contexts and statistics.
+
+Output iter_000/policy/: model.safetensors + policy.yaml (the backend), context.safetensors
+(each of the 40 tasks' text context, computed once so rollout workers never load a text
+encoder), stats.json (normalisation statistics), checkpoint.json (sha256, provenance).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wamrl import paths
+from wamrl.atomic import atomic_dir, sha256_file, write_json
+from wamrl.config import resolve_path
+from wamrl.envs.conventions import Normalizer
+from wamrl.envs.tasks import load_tasks
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
+    from wamrl.policy import build_policy, load_policy
+    from wamrl.policy.text import encode_texts, save_contexts
+
+    if iteration != 0:
+        raise ValueError("init builds iteration 0 only")
+    stats = resolve_path(cfg["policy"]["stats"])
+    Normalizer.load(stats)  # a missing or malformed stats file fails here, before any work
+    base = cfg["policy"]["base_checkpoint"]
+    if base is not None:
+        base_dir = resolve_path(base)
+        if not (base_dir / "model.safetensors").is_file():
+            raise FileNotFoundError(f"policy.base_checkpoint: no model.safetensors in {base_dir}")
+        policy = load_policy(base_dir)
+        source = {"base_checkpoint": str(base_dir), "sha256": sha256_file(base_dir / "model.safetensors")}
+    else:
+        torch.manual_seed(cfg["seed"])
+        policy = build_policy(cfg)
+        source = {"base_checkpoint": None, "random_init_seed": cfg["seed"]}
+
+    tasks = load_tasks()
+    context, mask = encode_texts([t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"])
+    with atomic_dir(paths.policy_dir(run_dir, 0)) as tmp:
+        policy.save(tmp)
+        save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)
+        shutil.copy2(stats, tmp / "stats.json")
+        write_json(
+            tmp / "checkpoint.json",
+            {"sha256": sha256_file(tmp / "model.safetensors"), "iteration": 0, **source, "config": cfg},
+        )

@@ -1,0 +1,68 @@
+"""Merge stage: iter_{n-1}/policy with the new actor and LoRA tensors -> iter_n/policy/.
+
+Every tensor in actor.safetensors and lora.safetensors must exist in the policy's
+state_dict with the same shape (a mismatch names it); nothing else changes.
+context.safetensors and stats.json are copied; checkpoint.json records the sha256 of
+model.safetensors, the iteration and the parents.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+
+from wamrl import paths
+from wamrl.atomic import atomic_dir, sha256_file, write_json
+
+COPIED = ("context.safetensors", "stats.json")
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
+    from wamrl.policy import load_policy
+
+    run_dir = Path(run_dir)
+    prev_dir = paths.policy_dir(run_dir, iteration - 1)
+    actor_file = paths.actor_dir(run_dir, iteration) / "actor.safetensors"
+    lora_file = paths.world_model_dir(run_dir, iteration) / "lora.safetensors"
+    policy = load_policy(prev_dir, device="cpu")
+    state = policy.state_dict()
+    new: dict[str, Any] = {}
+    for f in (actor_file, lora_file):
+        for name, t in load_file(str(f)).items():
+            if name not in state:
+                raise KeyError(f"{f}: tensor {name!r} is not in the policy's state_dict")
+            if tuple(state[name].shape) != tuple(t.shape):
+                raise ValueError(
+                    f"{f}: {name} has shape {tuple(t.shape)}, policy has {tuple(state[name].shape)}"
+                )
+            if name in new:
+                raise ValueError(f"{name} is in both the actor and the world-model output")
+            new[name] = t
+    result = policy.load_state_dict(new, strict=False)
+    if result.unexpected_keys:
+        raise KeyError(f"unexpected keys while merging: {result.unexpected_keys}")
+
+    def parent(p: Path) -> dict[str, str]:
+        return {"path": str(p.relative_to(run_dir)), "sha256": sha256_file(p)}
+
+    with atomic_dir(paths.policy_dir(run_dir, iteration)) as tmp:
+        policy.save(tmp)
+        for name in COPIED:
+            shutil.copy2(prev_dir / name, tmp / name)
+        write_json(
+            tmp / "checkpoint.json",
+            {
+                "sha256": sha256_file(tmp / "model.safetensors"),
+                "iteration": iteration,
+                "parents": {
+                    "policy": parent(prev_dir / "model.safetensors"),
+                    "actor": parent(actor_file),
+                    "world_model": parent(lora_file),
+                },
+                "replaced_tensors": len(new),
+                "config": cfg,
+            },
+        )

@@ -1,0 +1,63 @@
+"""Reward stage: imagined-future rewards, returns and advantages into every shard's reward/.
+
+Inputs: iter_n/rollouts/shard_*.zarr and the world model (live = iter_{n-1}/policy,
+frozen = iter_000/policy). Outputs: group reward/ in each shard, then iter_n/reward.done
+(written last: its existence means every shard has a complete reward/ group).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wamrl import paths
+from wamrl.atomic import sha256_file, write_json
+from wamrl.reward import run_reward
+
+
+def _device(cfg: dict[str, Any]) -> str:
+    d = str(cfg.get("device", "cpu"))
+    return ("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d
+
+
+def checkpoint_sha256(policy_dir: Path) -> str:
+    """The checkpoint's recorded sha256, else the hash of its model.safetensors."""
+    ck = Path(policy_dir) / "checkpoint.json"
+    if ck.exists():
+        sha = json.loads(ck.read_text()).get("sha256")
+        if sha:
+            return str(sha)
+    return sha256_file(Path(policy_dir) / "model.safetensors")
+
+
+def world_model_dir(cfg: dict[str, Any], run_dir: Path, iteration: int) -> tuple[str, Path]:
+    kind = cfg["reward"]["world_model"]
+    if kind == "live":
+        return kind, paths.policy_dir(run_dir, iteration - 1)
+    if kind == "frozen":
+        return kind, paths.policy_dir(run_dir, 0)
+    raise ValueError(f"reward.world_model must be live or frozen, got {kind!r}")
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
+    from wamrl.policy.text import load_contexts
+
+    from wamrl.policy import load_policy
+
+    if iteration < 1:
+        raise ValueError("the reward stage runs for iterations >= 1 (iteration 0 is init)")
+    run_dir = Path(run_dir)
+    device = _device(cfg)
+    kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
+    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    policy = load_policy(wm_dir, device=device)
+    context, mask = load_contexts(wm_dir / "context.safetensors")
+    world_model = {"kind": kind, "path": str(wm_dir), "sha256": checkpoint_sha256(wm_dir)}
+    summary = run_reward(policy, shards, context, mask, cfg, world_model, device)
+    summary["shards"] = [str(s.relative_to(run_dir)) for s in shards]
+    write_json(
+        paths.reward_done(run_dir, iteration), {"iteration": iteration, **summary, "config": cfg}
+    )

@@ -1,0 +1,85 @@
+"""Rollout stage: one worker's shard of the iteration's episodes.
+
+Input iter_{n-1}/policy; output iter_n/rollouts/shard_{w}.zarr (written to a temporary
+path and renamed when complete). Groups are planned identically by every worker (hard-task
+oversampling from the newest eval) and group g goes to worker g mod W.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wamrl import paths
+from wamrl.envs.tasks import tasks_in_suites
+from wamrl.plan import recent_success, rollout_plan, shard_specs
+from wamrl.runtime import pick_device, set_gl_backend
+
+
+def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
+    """(T, Tv): macro-steps and env steps (+1 initial frame) of the longest episode."""
+    replan = cfg["env"]["replan_steps"]
+    cap = cfg["env"]["max_macro_steps"]
+    T = max(math.ceil(t.max_steps / replan) for t in tasks)
+    if cap is not None:
+        T = min(T, cap)
+    return T, T * replan + 1
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> None:
+    set_gl_backend(cfg)
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.pool import EnvPool
+    from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
+    from wamrl.rollout import SamplerSettings, run_episodes
+    from wamrl.store import ShardWriter
+    from stages.reward import checkpoint_sha256
+
+    if iteration < 1:
+        raise ValueError("rollouts start at iteration 1 (iteration 0 is init)")
+    W = cfg["rollout"]["workers"]
+    if not 0 <= worker < W:
+        raise ValueError(f"worker {worker} outside 0..{W - 1} (rollout.workers = {W})")
+    run_dir = Path(run_dir)
+    policy_dir = paths.policy_dir(run_dir, iteration - 1)
+    if not (policy_dir / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
+
+    candidates = tasks_in_suites(cfg["rollout"]["suites"])
+    success = recent_success(run_dir, iteration, candidates)
+    specs = shard_specs(rollout_plan(cfg, iteration, candidates, success), worker, W)
+    T, Tv = episode_limits(cfg, [s.task for s in specs])
+    device = pick_device(cfg)
+    torch.set_num_threads(1)  # the cores belong to the env processes
+    policy = load_policy(policy_dir, device=device).eval()
+    context, mask = load_contexts(policy_dir / "context.safetensors")
+    normalizer = Normalizer.load(policy_dir / "stats.json")
+    s = cfg["sampler"]
+    attrs = {
+        "iteration": iteration,
+        "shard": worker,
+        "G": cfg["rollout"]["group_size"],
+        "a": s["noise_a"],
+        "policy_checkpoint": str(policy_dir),
+        "policy_sha256": checkpoint_sha256(policy_dir),
+        "config": cfg,
+    }
+    env_cfg = dict(cfg["env"])
+    with (
+        ShardWriter(paths.shard_path(run_dir, iteration, worker), len(specs), T, s["K"], Tv, attrs) as writer,
+        EnvPool(cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]) as pool,
+    ):
+        run_episodes(
+            policy, pool, specs, context.to(device), mask.to(device), normalizer,
+            SamplerSettings(s["K"], s["noise_a"], s["shift"]),
+            cfg["env"]["max_macro_steps"],
+            seed=int(np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]),
+            on_episode=writer.write_episode,
+            device=device,
+            description=f"rollout iter {iteration} shard {worker}",
+        )

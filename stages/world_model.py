@@ -1,0 +1,92 @@
+"""World-model stage: LoRA update of the video expert -> iter_n/world_model/.
+
+Inputs: the shards' successful video-SFT episodes, iter_{n-1}/policy (trained),
+iter_000/policy (frozen reference for the feature KL), and iter_{n-1}/world_model/
+sigma_ref + ema if an earlier iteration estimated them. Outputs, atomically:
+lora.safetensors (names as in policy.state_dict()), sigma_ref.safetensors,
+ema.safetensors, metrics.json (with the resolved config). With no usable window the
+LoRA is written unchanged and metrics say why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from wamrl import paths
+from wamrl.atomic import atomic_dir, write_json
+from wamrl.ppo import param_names
+from wamrl.world_model import WindowBatches, list_windows, world_model_update
+
+
+def _device(cfg: dict[str, Any]) -> str:
+    d = str(cfg.get("device", "cpu"))
+    return ("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d
+
+
+def _load_vector(path: Path, key: str) -> torch.Tensor | None:
+    """A carried Sigma vector, or None if absent (or written empty: never estimated)."""
+    if not path.exists():
+        return None
+    return load_file(str(path)).get(key)
+
+
+def _save_vector(path: Path, key: str, v: torch.Tensor | None) -> None:
+    tensors = {} if v is None else {key: v.detach().cpu().float().contiguous()}
+    save_file(
+        tensors, str(path), metadata={"status": "estimated" if v is not None else "not_estimated"}
+    )
+
+
+def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
+    from wamrl.policy.text import load_contexts
+
+    from wamrl.policy import load_policy
+
+    run_dir = Path(run_dir)
+    device = _device(cfg)
+    wcfg = cfg["world_model"]
+    prev_dir = paths.policy_dir(run_dir, iteration - 1)
+    policy = load_policy(prev_dir, device=device)
+    frozen = load_policy(paths.policy_dir(run_dir, 0), device=device)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    context, mask = load_contexts(prev_dir / "context.safetensors")
+    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    specs, counts = list_windows(shards, wcfg)
+    batches = WindowBatches(
+        shards,
+        specs,
+        int(wcfg["batch"]),
+        context,
+        mask,
+        wcfg,
+        int(cfg["env"]["replan_steps"]),
+        device,
+    )
+
+    prev_wm = paths.world_model_dir(run_dir, iteration - 1)
+    sigma_ref = _load_vector(prev_wm / "sigma_ref.safetensors", "sigma_ref")
+    sigma_theta = _load_vector(prev_wm / "ema.safetensors", "sigma_theta")
+    metrics, sigma_ref, sigma_theta = world_model_update(
+        policy,
+        frozen,
+        batches,
+        cfg,
+        sigma_ref,
+        sigma_theta,
+        seed=int(cfg["seed"]) * 1000 + iteration,
+    )
+    metrics.update(counts)
+
+    lora = policy.parameter_groups()["world_model"]
+    state = policy.state_dict()
+    lora_tensors = {n: state[n].detach().cpu().contiguous() for n in param_names(policy, lora)}
+    with atomic_dir(paths.world_model_dir(run_dir, iteration)) as tmp:
+        save_file(lora_tensors, str(tmp / "lora.safetensors"))
+        _save_vector(tmp / "sigma_ref.safetensors", "sigma_ref", sigma_ref)
+        _save_vector(tmp / "ema.safetensors", "sigma_theta", sigma_theta)
+        write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})

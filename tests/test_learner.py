@@ -1,0 +1,329 @@
+"""The learner stages on the real tiny backend and a small synthetic store.
+
+The store is written with store.ShardWriter from chains sampled with the iteration-0
+policy (so log pi_old is the sampler's own), random images and random "rendered" frames.
+Then reward -> actor -> world_model -> merge run exactly as the Snakemake rules call them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+import zarr
+from safetensors.torch import load_file
+
+from wamrl import paths, ppo, store
+from wamrl import world_model as wm
+from wamrl.atomic import sha256_file, write_json
+from wamrl.policy.base import Obs
+
+sampler = pytest.importorskip("wamrl.sampler")
+policy_pkg = pytest.importorskip("wamrl.policy")
+text = pytest.importorskip("wamrl.policy.text")
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTHS = [3, 2, 3, 1]  # macro-steps of the 4 episodes of each shard (one group of G = 4)
+SUCCESS = [True, False, True, False]
+VIDEO_FRAMES = 37  # >= 33: windows at t0 = 0..4 for the video-SFT episode
+TASK = 3
+
+
+def small_cfg() -> dict[str, Any]:
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg["device"] = "cpu"
+    cfg["sampler"]["K"] = 4
+    cfg["rollout"]["workers"] = 2
+    cfg["rollout"]["group_size"] = 4
+    cfg["reward"]["imagine_steps"] = 2
+    cfg["actor"]["minibatch"] = 8
+    cfg["world_model"]["batch"] = 2
+    cfg["world_model"]["windows_per_episode"] = 2
+    return cfg
+
+
+def to_model(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() * (2 / 255) - 1
+
+
+def sample_chains(policy, obs: Obs, K: int, a: float, shift: float, gen: torch.Generator):
+    """Mixed ODE/SDE chains with one SDE step k* per sample (DESIGN.md "The sampler")."""
+    B = obs.batch_size
+    sig = sampler.sigma_schedule(K, shift)
+    k_star = torch.randint(1, K, (B,), generator=gen)
+    x = torch.randn(B, 32, 7, generator=gen)
+    chain, logp = [x], torch.zeros(B)
+    with torch.no_grad():
+        cache = policy.prefill(obs)
+        for k in range(K):
+            s, sn = sig[k].expand(B), sig[k + 1].expand(B)
+            v = policy.velocity(cache, x, s)
+            ode = x + (sn - s)[:, None, None] * v
+            if (k_star == k).any():
+                mu, std = sampler.sde_mean_std(x, v, s, sn, a)
+                sde = mu + std * torch.randn(x.shape, generator=gen)
+                lp = sampler.gaussian_log_prob(sde, mu, std)
+                stoch = (k_star == k)[:, None, None]
+                x = torch.where(stoch, sde, ode)
+                logp = torch.where(k_star == k, lp, logp)
+            else:
+                x = ode
+            chain.append(x)
+    return torch.stack(chain, 1).numpy(), k_star.numpy().astype(np.int32), logp.numpy()
+
+
+def make_run(tmp: Path, cfg: dict[str, Any]) -> Path:
+    """iter_000/policy (as init makes it) + iter_001/rollouts/shard_{0,1}.zarr."""
+    run = tmp / "run"
+    pdir = paths.policy_dir(run, 0)
+    torch.manual_seed(0)
+    policy = policy_pkg.build_policy(cfg)
+    policy.save(pdir)
+    text.write_contexts(cfg, pdir / "context.safetensors")  # API of the policy helper
+    stats = ROOT / cfg["policy"]["stats"]  # merge only copies it: any stats file will do
+    (pdir / "stats.json").write_text(
+        stats.read_text() if stats.exists() else '{"state": {}, "action": {}}'
+    )
+    write_json(
+        pdir / "checkpoint.json",
+        {"sha256": sha256_file(pdir / "model.safetensors"), "iteration": 0, "parents": {}},
+    )
+    context, mask = text.load_contexts(pdir / "context.safetensors")
+    K, a, shift = cfg["sampler"]["K"], cfg["sampler"]["noise_a"], cfg["sampler"]["shift"]
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    for w in range(2):
+        attrs = {
+            "iteration": 1,
+            "shard": w,
+            "G": 4,
+            "a": a,
+            "policy_checkpoint": str(pdir),
+            "policy_sha256": sha256_file(pdir / "model.safetensors"),
+            "config": cfg,
+        }
+        with store.ShardWriter(
+            paths.shard_path(run, 1, w), 4, max(LENGTHS), K, VIDEO_FRAMES, attrs
+        ) as sw:
+            for i, (t, succ) in enumerate(zip(LENGTHS, SUCCESS, strict=True)):
+                img = rng.integers(0, 256, (t, 224, 448, 3), dtype=np.uint8)
+                prop = rng.uniform(-1, 1, (t, 8)).astype(np.float32)
+                obs = Obs(
+                    to_model(img),
+                    torch.from_numpy(prop),
+                    context[TASK].expand(t, *context.shape[1:]),
+                    mask[TASK].expand(t, *mask.shape[1:]),
+                )
+                chain, ks, lp = sample_chains(policy, obs, K, a, shift, gen)
+                r_task = np.zeros(t, np.float32)
+                r_task[-1] = float(succ)
+                done = np.arange(t) == t - 1
+                video = i == 0  # one successful video-SFT episode per shard
+                sw.write_episode(
+                    i,
+                    store.EpisodeData(
+                        task=TASK,
+                        init_state=0,
+                        group=0,
+                        success=succ,
+                        video_sft=video,
+                        env_crashed=False,
+                        length=t,
+                        image=img,
+                        proprio=prop,
+                        chain=chain,
+                        k_star=ks,
+                        logp_old=lp,
+                        r_task=r_task,
+                        done=done,
+                        frames=rng.integers(0, 256, (t, 2, 224, 448, 3), dtype=np.uint8),
+                        video_frames=rng.integers(
+                            0, 256, (VIDEO_FRAMES, 224, 448, 3), dtype=np.uint8
+                        )
+                        if video
+                        else None,
+                        video_proprio=rng.uniform(-1, 1, (VIDEO_FRAMES, 8)).astype(np.float32)
+                        if video
+                        else None,
+                    ),
+                )
+    return run
+
+
+@pytest.fixture(scope="module")
+def run_after_reward(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    import stages.reward
+
+    cfg = small_cfg()
+    run = make_run(tmp_path_factory.mktemp("learner"), cfg)
+    stages.reward.main(cfg, run, 1)
+    return run, cfg
+
+
+def _reward_arrays(run: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for w in range(2):
+        g = zarr.open_group(str(paths.shard_path(run, 1, w)), mode="r")
+        for name in (*store.REWARD_NAMES, "group_kept"):
+            out[f"{w}/{name}"] = np.asarray(g[f"reward/{name}"][:])
+    return out
+
+
+def test_reward_stage_rerun_is_identical(run_after_reward) -> None:
+    import stages.reward
+
+    run, cfg = run_after_reward
+    first = _reward_arrays(run)
+    done = json.loads(paths.reward_done(run, 1).read_text())
+    assert done["groups_total"] == 1 and done["groups_kept"] == 1  # mixed successes
+    assert np.isfinite(first["0/r_rec"]).all() and (first["0/r_rec"] <= 0).all()
+    stages.reward.main(cfg, run, 1)
+    second = _reward_arrays(run)
+    for k in first:
+        np.testing.assert_array_equal(first[k], second[k], err_msg=k)
+
+
+def _data(run: Path, cfg: dict[str, Any]) -> tuple[Any, ppo.ActorData]:
+    pdir = paths.policy_dir(run, 0)
+    policy = policy_pkg.load_policy(pdir)
+    context, mask = text.load_contexts(pdir / "context.safetensors")
+    data = ppo.load_actor_data(paths.shard_paths(run, 1, 2), context, mask, cfg)
+    return policy, data
+
+
+def test_logp_check_passes_then_fails_after_perturbation(run_after_reward) -> None:
+    run, cfg = run_after_reward
+    policy, data = _data(run, cfg)
+    stats = ppo.check_logp(policy, data, cfg["actor"]["logp_check_tol"], 8, "cpu")
+    assert stats["logp_check_max_ratio_dev"] <= cfg["actor"]["logp_check_tol"]
+    bad = copy.copy(data)
+    bad.logp_old = data.logp_old.copy()
+    bad.logp_old[1] += 0.05
+    s, e, t = data.where[1]
+    with pytest.raises(ppo.LogProbMismatchError, match=f"shard {s}, episode {e}, step {t}"):
+        ppo.check_logp(policy, bad, cfg["actor"]["logp_check_tol"], 8, "cpu")
+
+
+def test_actor_update_follows_advantage_sign(run_after_reward) -> None:
+    run, cfg = run_after_reward
+    policy, data = _data(run, cfg)
+    assert (data.adv > 0).any() and (data.adv < 0).any()
+    cfg = copy.deepcopy(cfg)
+    cfg["actor"]["lr"] = 1e-4
+    params = policy.parameter_groups()["actor"]
+    idx = np.arange(len(data))
+    with torch.no_grad():
+        before = ppo._log_prob(policy, data, idx, "cpu")
+    opt = torch.optim.Adam(params, lr=cfg["actor"]["lr"])
+    metrics = ppo.actor_update(policy, None, data, cfg, opt)
+    with torch.no_grad():
+        after = ppo._log_prob(policy, data, idx, "cpu")
+    delta = (after - before).numpy()
+    assert delta[data.adv > 0].mean() > 0, delta
+    assert delta[data.adv < 0].mean() < 0, delta
+    assert metrics["epochs"][0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-3)
+    assert len(metrics["epochs"]) == cfg["actor"]["epochs"]
+
+
+def test_nan_stops_actor_stage_before_writing(run_after_reward, monkeypatch) -> None:
+    import stages.actor
+
+    run, cfg = run_after_reward
+    real = ppo.ppo_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(ppo, "ppo_loss", nan_loss)
+    with pytest.raises(ppo.NonFiniteError):
+        stages.actor.main(cfg, run, 1)
+    assert not paths.actor_dir(run, 1).exists()
+
+
+def test_actor_world_model_merge_stages(run_after_reward) -> None:
+    import stages.actor
+    import stages.merge
+    import stages.world_model
+
+    run, cfg = run_after_reward
+    stages.actor.main(cfg, run, 1)
+    stages.world_model.main(cfg, run, 1)
+    stages.merge.main(cfg, run, 1)
+    actor = load_file(str(paths.actor_dir(run, 1) / "actor.safetensors"))
+    lora = load_file(str(paths.world_model_dir(run, 1) / "lora.safetensors"))
+    wmm = json.loads((paths.world_model_dir(run, 1) / "metrics.json").read_text())
+    assert wmm["windows"] == 4 and wmm["kl_first_batch"] == pytest.approx(0.0, abs=1e-7)
+    merged = policy_pkg.load_policy(paths.policy_dir(run, 1)).state_dict()
+    for name, t in {**actor, **lora}.items():
+        torch.testing.assert_close(merged[name], t)
+    ck = json.loads((paths.policy_dir(run, 1) / "checkpoint.json").read_text())
+    assert ck["sha256"] == sha256_file(paths.policy_dir(run, 1) / "model.safetensors")
+    assert ck["iteration"] == 1 and set(ck["parents"]) == {"policy", "actor", "world_model"}
+    opt = load_file(str(paths.actor_dir(run, 1) / "optimizer.safetensors"))
+    # Adam state exists for every actor tensor that received a gradient (a tensor used only
+    # inside the no_grad first-frame cache gets none), and only for actor tensors.
+    with_state = {k.rsplit(".", 1)[0] for k in opt if k.endswith(".exp_avg")}
+    assert with_state and with_state <= set(actor)
+    am = json.loads((paths.actor_dir(run, 1) / "metrics.json").read_text())
+    assert len(with_state) == len(actor) - am["actor_params_without_grad"]
+
+
+def _window_batch(run: Path, cfg: dict[str, Any], context, mask) -> dict[str, torch.Tensor]:
+    shards = paths.shard_paths(run, 1, 2)
+    specs, counts = wm.list_windows(shards, cfg["world_model"])
+    assert counts["successful_video_episodes"] == 2 and len(specs) == 4
+    assert [s.t0 for s in specs[:2]] == wm.window_starts(VIDEO_FRAMES, 33, 2) == [0, 4]
+    batches = wm.WindowBatches(
+        shards, specs, 2, context, mask, cfg["world_model"], cfg["env"]["replan_steps"]
+    )
+    b = batches[0]
+    assert b["video"].shape[:2] == (2, 9)
+    return b
+
+
+def test_world_model_update_lowers_video_loss_and_kl_starts_at_zero(run_after_reward) -> None:
+    run, cfg = run_after_reward
+    pdir = paths.policy_dir(run, 0)
+    policy = policy_pkg.load_policy(pdir)
+    frozen = policy_pkg.load_policy(pdir)
+    context, mask = text.load_contexts(pdir / "context.safetensors")
+    b = _window_batch(run, cfg, context, mask)
+
+    def vloss() -> float:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(123)
+            return float(
+                policy.video_loss(
+                    b["video"], b["context"], b["context_mask"], b["proprio"], generator=g
+                )
+            )
+
+    cfg = copy.deepcopy(cfg)
+    cfg["world_model"]["lr"] = 1e-3
+    cfg["world_model"]["epochs"] = 5
+    cfg["world_model"]["kl_weight"] = 0.0  # the video loss alone must go down on its batch
+    before = vloss()
+    metrics, sigma_ref, sigma_theta = wm.world_model_update(policy, frozen, [b], cfg, None, None)
+    assert metrics["kl_first_batch"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["per_batch"][-1]["kl"] > 0  # LoRA moved away from the frozen model
+    assert vloss() < before
+    assert sigma_ref is not None and sigma_theta is not None and (sigma_ref > 0).all()
+
+
+def test_diag_gauss_kl_matches_formula() -> None:
+    z, zr = torch.tensor([[0.5, -1.0]]), torch.tensor([[0.0, 0.0]])
+    v, vr = torch.tensor([2.0, 0.5]), torch.tensor([1.0, 1.0])
+    per_dim = [
+        0.5 * (math.log(1 / 2.0) + (2.0 + 0.25) / 1 - 1),
+        0.5 * (math.log(1 / 0.5) + (0.5 + 1.0) - 1),
+    ]
+    assert float(wm.diag_gauss_kl(z, v, zr, vr)) == pytest.approx(sum(per_dim) / 2, rel=1e-6)
+    assert float(wm.diag_gauss_kl(zr, vr, zr, vr)) == 0.0

@@ -1,0 +1,97 @@
+"""PPO clipped loss against a hand computation (both clip branches, both signs of A)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from wamrl.ppo import optimizer_from_tensors, optimizer_to_tensors, ppo_loss
+
+
+def _hand_loss(ratios: list[float], advs: list[float], lo: float, hi: float) -> float:
+    terms = []
+    for r, a in zip(ratios, advs, strict=True):
+        c = min(max(r, 1 - lo), 1 + hi)
+        terms.append(min(r * a, c * a))
+    return -sum(terms) / len(terms)
+
+
+RATIOS = [1.5, 0.5, 1.5, 0.5, 1.1, 0.9, 1.25]
+ADVS = [1.0, 1.0, -2.0, -2.0, 0.7, -0.3, 1.0]
+
+
+def _logps(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    old = torch.tensor([-3.0, 1.0, 0.5, -7.0, 2.0, 0.0, -1.0], dtype=torch.float64)
+    new = old + torch.log(torch.tensor(ratios, dtype=torch.float64))
+    return new, old
+
+
+def test_ppo_loss_matches_hand_computation_symmetric() -> None:
+    new, old = _logps(RATIOS)
+    loss, stats = ppo_loss(new, old, torch.tensor(ADVS, dtype=torch.float64), 0.2, 0.2)
+    # Branches: r=1.5,A>0 clipped to 1.2; r=0.5,A>0 unclipped 0.5; r=1.5,A<0 unclipped -3;
+    # r=0.5,A<0 clipped 0.8*-2; inside range unchanged.
+    expected = -(1.2 * 1 + 0.5 * 1 + 1.5 * -2 + 0.8 * -2 + 1.1 * 0.7 + 0.9 * -0.3 + 1.2 * 1) / 7
+    assert float(loss) == pytest.approx(expected, rel=1e-9)
+    assert float(loss) == pytest.approx(_hand_loss(RATIOS, ADVS, 0.2, 0.2), rel=1e-9)
+    assert stats["clip_fraction"] == pytest.approx(5 / 7)  # 1.5, 0.5, 1.5, 0.5, 1.25 outside
+    k3 = sum((r - 1) - math.log(r) for r in RATIOS) / 7
+    assert stats["approx_kl"] == pytest.approx(k3, rel=1e-9)
+
+
+def test_ppo_loss_clip_higher_is_asymmetric() -> None:
+    new, old = _logps(RATIOS)
+    adv = torch.tensor(ADVS, dtype=torch.float64)
+    loss_sym, _ = ppo_loss(new, old, adv, 0.2, 0.2)
+    loss_hi, stats = ppo_loss(new, old, adv, 0.2, 0.28)
+    assert float(loss_hi) == pytest.approx(_hand_loss(RATIOS, ADVS, 0.2, 0.28), rel=1e-9)
+    # r = 1.25 with A > 0 is now inside the range: the loss differs by (1.25 - 1.2) / 7.
+    assert float(loss_sym) - float(loss_hi) == pytest.approx(
+        (1.25 - 1.2 + 1.28 - 1.2) / 7, rel=1e-9
+    )
+    assert stats["clip_fraction"] == pytest.approx(4 / 7)
+
+
+def test_ppo_gradient_zero_on_clipped_branch() -> None:
+    old = torch.zeros(2, dtype=torch.float64)
+    new = torch.log(torch.tensor([1.5, 0.5], dtype=torch.float64)).requires_grad_()
+    loss, _ = ppo_loss(new, old, torch.tensor([1.0, -1.0], dtype=torch.float64), 0.2, 0.2)
+    loss.backward()
+    assert torch.all(new.grad == 0)  # both are clipped: no push beyond the trust region
+
+
+def test_reference_kl_term() -> None:
+    new, old = _logps(RATIOS)
+    adv = torch.tensor(ADVS, dtype=torch.float64)
+    ref = old - 0.3
+    base, _ = ppo_loss(new, old, adv, 0.2, 0.2)
+    with_ref, stats = ppo_loss(new, old, adv, 0.2, 0.2, logp_ref=ref, ref_kl=0.01)
+    term = float((new - ref).mean())
+    assert stats["ref_kl"] == pytest.approx(term)
+    assert float(with_ref) == pytest.approx(float(base) + 0.01 * term, rel=1e-9)
+
+
+def test_optimizer_state_roundtrip() -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    b = torch.nn.Parameter(torch.randn(2))
+    opt = torch.optim.Adam([w, b], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        ((w.sum(0) + b) ** 2).sum().backward()
+        opt.step()
+    tensors, meta = optimizer_to_tensors(opt, ["w", "b"])
+    assert set(tensors) == {f"{n}.{k}" for n in "wb" for k in ("exp_avg", "exp_avg_sq", "step")}
+    assert meta["type"] == "Adam"
+    w2 = torch.nn.Parameter(w.detach().clone())
+    b2 = torch.nn.Parameter(b.detach().clone())
+    opt2 = torch.optim.Adam([w2, b2], lr=1e-2)
+    assert optimizer_from_tensors(opt2, ["w", "b"], tensors) == 2
+    for o, p in ((opt, (w, b)), (opt2, (w2, b2))):
+        o.zero_grad()
+        ((p[0].sum(0) + p[1]) ** 2).sum().backward()
+        o.step()
+    torch.testing.assert_close(w2, w)
+    torch.testing.assert_close(b2, b)

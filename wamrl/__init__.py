@@ -1,0 +1,3 @@
+"""wamrl: RL fine-tuning of World Action Models (Fast-WAM) on LIBERO."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,157 @@
+"""Reward combination, discounted returns, group advantages and degenerate-group filtering.
+
+Pure numpy (DESIGN.md "Reward" and "Advantages"). Arrays are [E, T] over episodes and
+macro-steps, with `valid` [E, T] marking macro-steps that exist (padding is False). Every
+function returns 0 on padding so the arrays can be written into the store as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+FilterMode = Literal["all_same", "zero_spread", "none"]
+
+NUM_TASKS = 40
+LIBERO_10_TASKS = range(30, 40)  # suite order: spatial, object, goal, libero_10
+
+
+def normalise_rec(
+    r_rec: np.ndarray, valid: np.ndarray, eps: float = 1e-8
+) -> tuple[np.ndarray, float, float]:
+    """(r_rec - mean) / std over all valid macro-steps of the iteration (population std).
+
+    Pass every shard's steps together (concatenate along E) so the statistics are the
+    iteration's. A spread below `eps` (e.g. a single valid step) divides by 1 instead of
+    blowing up, so r_rec_norm is then 0 everywhere.
+    """
+    valid = valid.astype(bool)
+    vals = r_rec[valid].astype(np.float64)
+    if vals.size == 0:
+        return np.zeros_like(r_rec, dtype=np.float32), 0.0, 1.0
+    mean = float(vals.mean())
+    std = float(vals.std())
+    scale = std if std > eps else 1.0
+    out = np.where(valid, (r_rec - mean) / scale, 0.0).astype(np.float32)
+    return out, mean, std
+
+
+def combine(r_task: np.ndarray, r_rec_norm: np.ndarray, beta: float) -> np.ndarray:
+    """r = r^task + beta * r~^rec (both already 0 on padding)."""
+    return (r_task + beta * r_rec_norm).astype(np.float32)
+
+
+def episode_gammas(
+    task: np.ndarray, gamma: float = 0.99, gamma_libero_10: float = 0.995
+) -> np.ndarray:
+    """Per-episode discount from the task's suite: libero_10 (tasks 30..39) uses the longer one."""
+    task = np.asarray(task)
+    is_long = (task >= LIBERO_10_TASKS.start) & (task < LIBERO_10_TASKS.stop)
+    return np.where(is_long, gamma_libero_10, gamma).astype(np.float64)
+
+
+def discounted_returns(reward: np.ndarray, valid: np.ndarray, gamma: np.ndarray) -> np.ndarray:
+    """R_t = sum_{j >= t} gamma^{j-t} r_j within the episode; 0 on padding.
+
+    gamma: [E], one discount per episode. Padding rewards are ignored (treated as 0), so
+    a padded tail contributes nothing and the episode's last valid step has R = r.
+    """
+    valid = valid.astype(bool)
+    r = np.where(valid, reward, 0.0).astype(np.float64)
+    E, T = r.shape
+    out = np.zeros((E, T), dtype=np.float64)
+    running = np.zeros(E, dtype=np.float64)
+    g = np.asarray(gamma, dtype=np.float64).reshape(E)
+    for t in range(T - 1, -1, -1):  # backward recursion R_t = r_t + gamma R_{t+1}
+        running = r[:, t] + g * running
+        out[:, t] = running
+    return np.where(valid, out, 0.0).astype(np.float32)
+
+
+def group_advantages(
+    returns: np.ndarray, valid: np.ndarray, group: np.ndarray, eps: float = 1e-6
+) -> np.ndarray:
+    """A_{i,t} = (R_{i,t} - mean_j R_{j,t}) / (std_j R_{j,t} + eps) over the group's live members.
+
+    The statistics at step t use only the group's episodes whose step t is valid (an
+    episode that ended is no longer part of the comparison). std is the population std
+    (ddof = 0), so with two live members the advantages are exactly +-1 (up to eps).
+    A = 0 on padding and where fewer than two members are alive (nothing to compare).
+    """
+    valid = valid.astype(bool)
+    group = np.asarray(group)
+    R = returns.astype(np.float64)
+    adv = np.zeros_like(R)
+    for g in np.unique(group):
+        members = group == g
+        Rg, vg = R[members], valid[members]  # [M, T]
+        n = vg.sum(axis=0)  # live members per step
+        mean = np.where(vg, Rg, 0.0).sum(axis=0) / np.maximum(n, 1)
+        var = np.where(vg, (Rg - mean) ** 2, 0.0).sum(axis=0) / np.maximum(n, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):  # masked just below
+            a = (Rg - mean) / (np.sqrt(var) + eps)
+        adv[members] = np.where(vg & (n >= 2), a, 0.0)
+    return adv.astype(np.float32)
+
+
+def live_members(valid: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """[E, T]: how many of episode i's group are alive at step t (0 on padding)."""
+    valid = valid.astype(bool)
+    out = np.zeros(valid.shape, dtype=np.int64)
+    for g in np.unique(group):
+        members = group == g
+        out[members] = np.where(valid[members], valid[members].sum(axis=0), 0)
+    return out
+
+
+def group_spread(returns: np.ndarray, valid: np.ndarray, group: np.ndarray) -> dict[int, float]:
+    """Largest per-step population std of returns over live members, per group."""
+    valid = valid.astype(bool)
+    out: dict[int, float] = {}
+    for g in np.unique(group):
+        members = group == g
+        Rg, vg = returns[members].astype(np.float64), valid[members]
+        n = vg.sum(axis=0)
+        mean = np.where(vg, Rg, 0.0).sum(axis=0) / np.maximum(n, 1)
+        var = np.where(vg, (Rg - mean) ** 2, 0.0).sum(axis=0) / np.maximum(n, 1)
+        var = np.where(n >= 2, var, 0.0)
+        out[int(g)] = float(np.sqrt(var.max())) if var.size else 0.0
+    return out
+
+
+def degenerate_groups(
+    success: np.ndarray,
+    returns: np.ndarray,
+    valid: np.ndarray,
+    group: np.ndarray,
+    mode: FilterMode = "all_same",
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """group_kept [E]: True for episodes whose group takes part in the actor update.
+
+    all_same: drop groups whose episodes all succeeded or all failed (SimpleVLA-RL
+    dynamic sampling); a one-episode group is all-same by definition.
+    zero_spread: drop only groups whose returns have ~zero spread (largest per-step std
+    over live members <= eps), so a group with equal outcomes but differing
+    reconstruction rewards is kept.
+    none: keep everything.
+    """
+    group = np.asarray(group)
+    success = np.asarray(success).astype(bool)
+    kept = np.ones(group.shape[0], dtype=bool)
+    if mode == "none":
+        return kept
+    if mode == "all_same":
+        for g in np.unique(group):
+            members = group == g
+            s = success[members]
+            if s.all() or not s.any():
+                kept[members] = False
+        return kept
+    if mode == "zero_spread":
+        for g, spread in group_spread(returns, valid, group).items():
+            if spread <= eps:
+                kept[group == g] = False
+        return kept
+    raise ValueError(f"unknown reward.filter mode {mode!r} (all_same | zero_spread | none)")

@@ -1,0 +1,104 @@
+"""`wamrl`: every pipeline stage as a command, with the arguments Snakemake passes.
+
+    wamrl init                          iteration 0: base policy + task contexts
+    wamrl rollout --iter 3 --worker 0   one rollout shard
+    wamrl reward  --iter 3              imagined-future rewards, returns, advantages
+    wamrl actor   --iter 3              PPO on the action expert
+    wamrl world-model --iter 3          LoRA update of the video expert
+    wamrl merge   --iter 3              -> iter_003/policy
+    wamrl eval    --iter 3              -> iter_003/eval.json
+    wamrl inspect iter_003/rollouts/shard_000.zarr
+    wamrl config                        print the resolved config (validated)
+
+Config: the run's resolved config (.wamrl/config.yaml in the run dir, written by the
+Snakefile) if present, else configs/default.yaml; then --configfile files, then --set
+key.path=value overrides. Every stage records the resolved config it ran with.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from wamrl.config import RUN_CONFIG, ConfigError, dump, load_config, parse_overrides
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False)
+
+RunDir = Annotated[Path, typer.Option("--run-dir", "-d", help="run directory (Snakemake's working dir)")]
+Iter = Annotated[int, typer.Option("--iter", "-i", help="iteration number", min=0)]
+ConfigFiles = Annotated[
+    list[Path] | None, typer.Option("--configfile", "-c", help="YAML merged over the run config")
+]
+Sets = Annotated[list[str] | None, typer.Option("--set", "-s", help="override: key.path=value")]
+
+
+def resolve(run_dir: Path, configfiles: list[Path] | None, sets: list[str] | None) -> dict[str, Any]:
+    files = [run_dir / RUN_CONFIG] if (run_dir / RUN_CONFIG).is_file() else []
+    try:
+        return load_config([*files, *(configfiles or [])], parse_overrides(sets or []))
+    except ConfigError as e:
+        typer.secho(f"config error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from e
+
+
+def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, **kwargs: Any) -> None:
+    module = importlib.import_module(f"stages.{stage}")
+    module.main(cfg, run_dir, **kwargs)
+
+
+@app.command()
+def init(run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
+    """Iteration 0: base checkpoint, per-task text contexts, statistics."""
+    run_stage("init", resolve(run_dir, configfile, set), run_dir, iteration=0)
+
+
+@app.command()
+def rollout(
+    iter: Iter,
+    worker: Annotated[int, typer.Option("--worker", "-w", min=0)] = 0,
+    run_dir: RunDir = Path("."),
+    configfile: ConfigFiles = None,
+    set: Sets = None,
+) -> None:
+    """One rollout shard: iter_{n-1}/policy -> iter_n/rollouts/shard_{w}.zarr."""
+    run_stage("rollout", resolve(run_dir, configfile, set), run_dir, iteration=iter, worker=worker)
+
+
+def _iteration_command(stage: str, doc: str) -> None:
+    def command(iter: Iter, run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
+        run_stage(stage, resolve(run_dir, configfile, set), run_dir, iteration=iter)
+
+    command.__doc__ = doc
+    app.command(name=stage.replace("_", "-"))(command)
+
+
+_iteration_command("reward", "Imagined-future rewards, returns, advantages -> reward/ in every shard.")
+_iteration_command("actor", "PPO on the action expert -> iter_n/actor/.")
+_iteration_command("world_model", "LoRA update of the video expert -> iter_n/world_model/.")
+_iteration_command("merge", "Previous policy + new actor + new LoRA -> iter_n/policy/.")
+_iteration_command("eval", "Deterministic eval on the LIBERO tasks -> iter_n/eval.json.")
+
+
+@app.command()
+def inspect(
+    store: Path,
+    quick: Annotated[bool, typer.Option(help="skip decompressing every image chunk")] = False,
+) -> None:
+    """Summarise and validate an episode store; exits 1 if it is invalid or half-written."""
+    from wamrl.inspect import inspect_store
+
+    raise typer.Exit(inspect_store(store, deep=not quick))
+
+
+@app.command()
+def config(run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
+    """Print the resolved, validated config."""
+    sys.stdout.write(dump(resolve(run_dir, configfile, set)))
+
+
+if __name__ == "__main__":
+    app()

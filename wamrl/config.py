@@ -1,0 +1,155 @@
+"""Configs: YAML files deep-merged onto configs/default.yaml, validated against configs/schema.yaml.
+
+A wrong key, type or range stops everything before any work, with the key's dotted path:
+
+    ConfigError: actor.lr: -1 is less than or equal to the minimum of 0
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+SCHEMA = CONFIG_DIR / "schema.yaml"
+RUN_CONFIG = Path(".wamrl") / "config.yaml"  # the resolved config a run's stages read
+
+
+class ConfigError(ValueError):
+    """A config that does not match the schema; the message names the key."""
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def expand_dotted(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{"actor.lr": 1e-4} -> {"actor": {"lr": 1e-4}} (Snakemake's --config takes flat keys)."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = str(key).split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {p} is both a value and a section")
+        if isinstance(value, Mapping):
+            value = expand_dotted(value)
+            if isinstance(node.get(leaf), dict):
+                value = deep_merge(node[leaf], value)
+        node[leaf] = value
+    return out
+
+
+def _scalar(text: str) -> Any:
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "null": None}.get(text.lower(), text)
+
+
+def coerce_strings(obj: Any) -> Any:
+    """Snakemake's --config leaves nested values as strings ("-1", "1e-4"): type them."""
+    if isinstance(obj, Mapping):
+        return {k: coerce_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [coerce_strings(v) for v in obj]
+    return _scalar(obj) if isinstance(obj, str) else obj
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """["actor.lr=1e-4", "eval.suites=[libero_10]"] -> nested dict (values parsed as YAML)."""
+    flat: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        flat[key.strip()] = yaml.safe_load(raw)
+    return expand_dotted(flat)
+
+
+def _schema() -> dict[str, Any]:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Raise ConfigError naming every offending key; return the config unchanged."""
+    validator = jsonschema.Draft202012Validator(_schema())
+    errors = sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = []
+        for e in errors:
+            where = ".".join(map(str, e.absolute_path)) or "(top level)"
+            if e.validator == "additionalProperties":
+                extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
+                known = ", ".join(sorted(e.schema.get("properties", {})))
+                for k in extra:
+                    key = f"{where}.{k}" if e.absolute_path else k
+                    lines.append(f"{key}: unknown key (known here: {known})")
+            else:
+                lines.append(f"{where}: {e.message}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    _check_consistency(cfg)
+    return dict(cfg)
+
+
+def _check_consistency(cfg: Mapping[str, Any]) -> None:
+    """Cross-key rules a schema cannot say."""
+    r = cfg["rollout"]
+    if r["groups"] < r["workers"]:
+        raise ConfigError(
+            f"rollout.groups ({r['groups']}) < rollout.workers ({r['workers']}): "
+            "every shard needs at least one group"
+        )
+    if (cfg["world_model"]["window_frames"] - 1) % 4:
+        raise ConfigError("world_model.window_frames: must be 4k+1 (video frames are 4 env steps apart)")
+
+
+def load_config(
+    files: Iterable[Path] = (), overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """default.yaml, then each file in order, then overrides; validated."""
+    cfg = read_yaml(DEFAULT_CONFIG)
+    for f in files:
+        cfg = deep_merge(cfg, expand_dotted(read_yaml(Path(f))))
+    if overrides:
+        cfg = deep_merge(cfg, expand_dotted(overrides))
+    return validate(cfg)
+
+
+def resolve_path(path: str | Path) -> Path:
+    """Config paths are relative to the repository (where configs/ and data/ live)."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def dump(cfg: Mapping[str, Any]) -> str:
+    return yaml.safe_dump(dict(cfg), sort_keys=False)

@@ -1,0 +1,425 @@
+"""The actor update: PPO clip per denoising step (seed 002, DESIGN.md "Actor").
+
+For each kept macro-step the rollout stored x_{k*}, x_{k*+1} and log pi_old of that one
+stochastic transition. The learner recomputes the SDE mean mu from x_{k*} with gradients
+through the action expert (the first-frame cache is computed under no_grad: the video
+expert is frozen here) and optimises
+
+    rho = exp(log N(x_{k*+1}; mu_new, std^2) - log pi_old)
+    L   = -mean[min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)]  (+ lambda_ref KL term)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from wamrl.policy.base import Obs, Policy
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf in the loss, gradients or parameters: the stage stops before writing."""
+
+
+class LogProbMismatchError(RuntimeError):
+    """The learner's log pi on unchanged weights does not reproduce the rollout's log pi_old."""
+
+
+def ppo_loss(
+    logp_new: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    clip_low: float,
+    clip_high: float,
+    logp_ref: Tensor | None = None,
+    ref_kl: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped PPO surrogate (clip-higher when clip_high > clip_low) + optional reference KL.
+
+    Returns (loss, stats) with stats: policy loss, clip fraction (share of samples whose
+    ratio left [1 - clip_low, 1 + clip_high]), approx KL = mean((rho - 1) - log rho)
+    (Schulman's k3 estimator, >= 0), mean ratio, and the reference KL term if used.
+    """
+    log_ratio = logp_new - logp_old
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    policy_loss = -torch.minimum(unclipped, clipped).mean()
+    loss = policy_loss
+    stats: dict[str, float] = {}
+    if logp_ref is not None and ref_kl != 0.0:
+        # Seed 002 section 8.2: lambda_ref * mean(log pi - log pi_ref) on the sampled x_{k*+1}.
+        ref_term = (logp_new - logp_ref).mean()
+        loss = loss + ref_kl * ref_term
+        stats["ref_kl"] = float(ref_term.detach())
+    with torch.no_grad():
+        outside = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+        stats.update(
+            policy_loss=float(policy_loss.detach()),
+            clip_fraction=float(outside.float().mean()),
+            approx_kl=float(((ratio - 1.0) - log_ratio).mean()),
+            ratio_mean=float(ratio.mean()),
+        )
+    return loss, stats
+
+
+@dataclass
+class ActorData:
+    """The kept macro-steps of one iteration, flattened over shards (N steps).
+
+    Images stay uint8 until a minibatch is drawn (a 224 x 448 frame is 300 kB as uint8,
+    1.2 MB as float32). `where` names each step's (shard, episode, step) for errors.
+    """
+
+    image: np.ndarray  # uint8 [N, 224, 448, 3]
+    proprio: np.ndarray  # float32 [N, 8]
+    task: np.ndarray  # int64 [N]
+    x_k: np.ndarray  # float32 [N, 32, 7]  chain[:, k*]
+    x_next: np.ndarray  # float32 [N, 32, 7]  chain[:, k* + 1]
+    k_star: np.ndarray  # int64 [N]
+    logp_old: np.ndarray  # float32 [N]
+    adv: np.ndarray  # float32 [N]
+    where: np.ndarray  # int64 [N, 3] (shard, episode, step)
+    context: Tensor  # [40, L, D] per-task text context
+    context_mask: Tensor  # [40, L]
+    K: int
+    noise_a: float
+    shift: float
+    groups_kept: int = 0
+    groups_total: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.logp_old.shape[0])
+
+    def obs(self, idx: np.ndarray, device: torch.device | str) -> Obs:
+        image = torch.from_numpy(self.image[idx]).to(device)
+        image = image.permute(0, 3, 1, 2).float() * (2.0 / 255.0) - 1.0  # HWC uint8 -> CHW [-1, 1]
+        task = torch.from_numpy(self.task[idx]).to(self.context.device)
+        return Obs(
+            image=image,
+            proprio=torch.from_numpy(self.proprio[idx]).float().to(device),
+            context=self.context[task].to(device),
+            context_mask=self.context_mask[task].to(device),
+        )
+
+    def tensor(self, name: str, idx: np.ndarray, device: torch.device | str) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(getattr(self, name)[idx])).to(device)
+
+
+def _log_prob(
+    policy: Policy, data: ActorData, idx: np.ndarray, device: torch.device | str
+) -> Tensor:
+    """log pi of the stored x_{k*+1} given x_{k*}; grads flow through the action expert only."""
+    from wamrl import sampler  # imported late: the sampler module is another helper's file
+
+    obs = data.obs(idx, device)
+    with torch.no_grad():  # the video expert is frozen in the actor phase (seed 002, 8.3)
+        cache = policy.prefill(obs)
+    return sampler.recompute_log_prob(
+        policy,
+        obs,
+        data.tensor("x_k", idx, device).float(),
+        data.tensor("x_next", idx, device).float(),
+        data.tensor("k_star", idx, device).long(),
+        data.K,
+        data.noise_a,
+        data.shift,
+        cache=cache,
+    )
+
+
+def check_logp(
+    policy: Policy,
+    data: ActorData,
+    tol: float,
+    batch: int,
+    device: torch.device | str,
+    limit: int | None = None,
+) -> dict[str, float]:
+    """Before any update: recomputed log pi must equal log pi_old (|ratio - 1| <= tol).
+
+    A mismatch (bf16 rollout vs fp32 learner, a different checkpoint, a wrong k* or
+    schedule) would silently bias the first PPO ratio; fail loudly and say where.
+    """
+    n = len(data) if limit is None else min(limit, len(data))
+    worst = (-1.0, -1)
+    max_ratio_dev = 0.0
+    with torch.no_grad():
+        for start in range(0, n, batch):
+            idx = np.arange(start, min(start + batch, n))
+            logp = _log_prob(policy, data, idx, device).double().cpu()
+            delta = logp - torch.from_numpy(data.logp_old[idx]).double()
+            if not torch.isfinite(delta).all():
+                bad = int(idx[int((~torch.isfinite(delta)).nonzero()[0])])
+                raise LogProbMismatchError(
+                    f"recomputed log pi is not finite at (shard, episode, step) = "
+                    f"{tuple(int(v) for v in data.where[bad])}"
+                )
+            i = int(delta.abs().argmax())
+            if float(delta[i].abs()) > worst[0]:
+                worst = (float(delta[i].abs()), int(idx[i]))
+            max_ratio_dev = max(max_ratio_dev, float((delta.exp() - 1.0).abs().max()))
+    if max_ratio_dev > tol:
+        d, j = worst
+        s, e, t = (int(v) for v in data.where[j])
+        raise LogProbMismatchError(
+            f"log pi check failed before the actor update: max |ratio - 1| = {max_ratio_dev:.3g} "
+            f"> actor.logp_check_tol = {tol:g}; max |delta logp| = {d:.4g} at shard {s}, "
+            f"episode {e}, step {t} (k* = {int(data.k_star[j])}, stored log pi_old = "
+            f"{float(data.logp_old[j]):.4f}). The learner's log pi on unchanged weights must "
+            "reproduce the rollout's: check float32 log-probs, the policy checkpoint the "
+            "rollout used, K / a / shift, and the stored chain."
+        )
+    return {
+        "logp_check_steps": float(n),
+        "logp_check_max_abs_delta": worst[0],
+        "logp_check_max_ratio_dev": max_ratio_dev,
+    }
+
+
+def _check_finite_params(params: list[nn.Parameter], where: str) -> None:
+    for p in params:
+        if not torch.isfinite(p).all():
+            raise NonFiniteError(f"non-finite actor parameter after {where}")
+
+
+def actor_update(
+    policy: Policy,
+    ref_policy: Policy | None,
+    data: ActorData,
+    cfg: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """2 (cfg actor.epochs) PPO epochs over all kept macro-steps in shuffled minibatches.
+
+    Raises LogProbMismatchError before touching the weights if log pi_old is not
+    reproduced, and NonFiniteError on any NaN/Inf in loss, gradients or parameters.
+    Returns {"logp_check": ..., "epochs": [per-epoch metrics], ...}.
+    """
+    acfg = cfg["actor"]
+    params = [p for p in policy.parameter_groups()["actor"] if p.requires_grad]
+    metrics: dict[str, Any] = {
+        "steps": len(data),
+        "groups_kept": data.groups_kept,
+        "groups_total": data.groups_total,
+        "epochs": [],
+    }
+    if len(data) == 0:
+        metrics["skipped"] = "no kept macro-steps (every group was degenerate or empty)"
+        return metrics
+    mb = int(acfg["minibatch"])
+    metrics["logp_check"] = check_logp(policy, data, float(acfg["logp_check_tol"]), mb, device)
+
+    rng = np.random.default_rng(seed)
+    for epoch in range(int(acfg["epochs"])):
+        perm = rng.permutation(len(data))
+        rows: list[dict[str, float]] = []
+        first_ratio = math.nan
+        for start in range(0, len(data), mb):
+            idx = np.sort(perm[start : start + mb])  # sorted: contiguous-ish reads from numpy
+            logp_new = _log_prob(policy, data, idx, device)
+            logp_ref = None
+            if ref_policy is not None and float(acfg["ref_kl"]) != 0.0:
+                with torch.no_grad():
+                    logp_ref = _log_prob(ref_policy, data, idx, device)
+            loss, stats = ppo_loss(
+                logp_new,
+                data.tensor("logp_old", idx, device).float(),
+                data.tensor("adv", idx, device).float(),
+                float(acfg["clip_low"]),
+                float(acfg["clip_high"]),
+                logp_ref=logp_ref,
+                ref_kl=float(acfg["ref_kl"]),
+            )
+            if not torch.isfinite(loss):
+                raise NonFiniteError(
+                    f"non-finite actor loss {float(loss.detach())} (epoch {epoch}, minibatch at {start})"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if epoch == 0 and start == 0:
+                # Parameters used only inside the no_grad cache (e.g. an encoder that feeds
+                # prefill) get no gradient here; report how many so it is not silent.
+                metrics["actor_params_without_grad"] = sum(p.grad is None for p in params)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, float(acfg["grad_clip"]))
+            if not torch.isfinite(grad_norm):
+                raise NonFiniteError(
+                    f"non-finite actor gradient norm (epoch {epoch}, minibatch at {start})"
+                )
+            optimizer.step()
+            _check_finite_params(
+                params, f"the optimizer step (epoch {epoch}, minibatch at {start})"
+            )
+            if start == 0:
+                first_ratio = stats["ratio_mean"]
+            rows.append({"loss": float(loss.detach()), "grad_norm": float(grad_norm), **stats})
+        epoch_metrics = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        epoch_metrics.update(
+            epoch=epoch,
+            minibatches=len(rows),
+            ratio_first_minibatch=first_ratio,
+            groups_kept=data.groups_kept,
+        )
+        metrics["epochs"].append(epoch_metrics)
+    return metrics
+
+
+# ---- optimizer state as safetensors (no pickle) -------------------------------------------
+
+
+def param_names(policy: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """Names (as in policy.state_dict()) of the given parameters, in order."""
+    by_id = {id(p): n for n, p in policy.named_parameters()}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise KeyError(f"parameters {missing} of the group are not registered in the policy")
+    return [by_id[id(p)] for p in params]
+
+
+def optimizer_to_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Flatten a single-group Adam(W) state to {"<param>.exp_avg", ".exp_avg_sq", ".step"}."""
+    params = optimizer.param_groups[0]["params"]
+    if len(params) != len(names):
+        raise ValueError("names must match the optimizer's parameters one to one")
+    tensors: dict[str, Tensor] = {}
+    for name, p in zip(names, params, strict=True):
+        st = optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in st:
+                v = st[key]
+                v = v if torch.is_tensor(v) else torch.tensor(float(v))
+                tensors[f"{name}.{key}"] = v.detach().cpu().contiguous().reshape(v.shape)
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    meta = {
+        "type": type(optimizer).__name__,
+        "params": names,
+        "param_group": {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in group.items()
+            if isinstance(v, (int, float, bool, str, tuple, type(None)))
+        },
+    }
+    return tensors, meta
+
+
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str], tensors: dict[str, Tensor]
+) -> int:
+    """Load what optimizer_to_tensors wrote into a fresh optimizer; returns params restored.
+
+    Parameters absent from the file start with an empty state; a shape mismatch names it.
+    """
+    params = optimizer.param_groups[0]["params"]
+    restored = 0
+    for name, p in zip(names, params, strict=True):
+        if f"{name}.exp_avg" not in tensors:
+            continue
+        st: dict[str, Tensor] = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = tensors[f"{name}.{key}"]
+            if v.shape != p.shape:
+                raise ValueError(
+                    f"optimizer state {name}.{key} has shape {tuple(v.shape)}, "
+                    f"parameter has {tuple(p.shape)}"
+                )
+            st[key] = v.to(p.device, p.dtype).clone()
+        st["step"] = tensors[f"{name}.step"].float().clone()
+        optimizer.state[p] = st
+        restored += 1
+    return restored
+
+
+# ---- reading the kept macro-steps from the stores -----------------------------------------
+
+
+def load_actor_data(
+    shard_paths: list[Any],
+    context: Tensor,
+    context_mask: Tensor,
+    cfg: dict[str, Any],
+    groups_kept: int = 0,
+    groups_total: int = 0,
+) -> ActorData:
+    """Flatten the kept macro-steps of every shard (reward/ must have been written).
+
+    Kept = step/valid & reward/group_kept & A defined; "A defined" is A != 0, since the
+    reward stage writes A = 0 where fewer than two group members were alive (such steps
+    carry no gradient and would only dilute the minibatch mean). K and a come from the
+    store attrs when present (what the rollout actually used), else from cfg["sampler"].
+    """
+    from wamrl import store  # imported late: store.py is another helper's file
+
+    cols: dict[str, list[np.ndarray]] = {
+        k: []
+        for k in ("image", "proprio", "task", "x_k", "x_next", "k_star", "logp_old", "adv", "where")
+    }
+    K = a = None
+    for w, path in enumerate(shard_paths):
+        g = store.open_store(path)  # validates the rollout part and reward/
+        attrs = dict(g.attrs)
+        K_s = attrs.get("K", cfg["sampler"]["K"])
+        a_s = attrs.get("a", attrs.get("noise_a", cfg["sampler"]["noise_a"]))
+        if K is not None and (K_s != K or a_s != a):
+            raise ValueError(
+                f"shards disagree on the sampler: K {K} vs {K_s}, a {a} vs {a_s} ({path})"
+            )
+        K, a = K_s, a_s
+        if "reward" not in g:
+            raise FileNotFoundError(f"{path} has no reward/ group: run the reward stage first")
+        valid = np.asarray(g["step/valid"][:], dtype=bool)
+        adv = np.asarray(g["reward/advantage"][:], dtype=np.float32)
+        kept = np.asarray(g["reward/group_kept"][:], dtype=bool)
+        sel = valid & kept[:, None] & np.isfinite(adv) & (adv != 0.0)
+        task = np.asarray(g["episode/task"][:], dtype=np.int64)
+        k_star_all = np.asarray(g["step/k_star"][:], dtype=np.int64)
+        logp_all = np.asarray(g["step/logp_old"][:], dtype=np.float32)
+        for e in np.flatnonzero(sel.any(axis=1)):
+            ts = np.flatnonzero(sel[e])
+            chain = np.asarray(g["step/chain"][e], dtype=np.float32)[ts]  # [n, K+1, 32, 7]
+            ks = k_star_all[e, ts]
+            rows = np.arange(ts.size)
+            cols["x_k"].append(chain[rows, ks])
+            cols["x_next"].append(chain[rows, ks + 1])
+            cols["image"].append(np.asarray(g["step/image"][e])[ts])
+            cols["proprio"].append(np.asarray(g["step/proprio"][e], dtype=np.float32)[ts])
+            cols["task"].append(np.full(ts.size, task[e], dtype=np.int64))
+            cols["k_star"].append(ks)
+            cols["logp_old"].append(logp_all[e, ts])
+            cols["adv"].append(adv[e, ts])
+            cols["where"].append(np.stack([np.full(ts.size, w), np.full(ts.size, e), ts], axis=1))
+    empty = {
+        "image": (0, 224, 448, 3),
+        "proprio": (0, 8),
+        "x_k": (0, 32, 7),
+        "x_next": (0, 32, 7),
+        "where": (0, 3),
+    }
+    out = {}
+    for k, v in cols.items():
+        out[k] = (
+            np.concatenate(v)
+            if v
+            else np.zeros(empty.get(k, (0,)), dtype=np.uint8 if k == "image" else np.float32)
+        )
+    for k in ("task", "k_star", "where"):
+        out[k] = out[k].astype(np.int64)
+    return ActorData(
+        **out,
+        context=context,
+        context_mask=context_mask,
+        K=int(K if K is not None else cfg["sampler"]["K"]),
+        noise_a=float(a if a is not None else cfg["sampler"]["noise_a"]),
+        shift=float(cfg["sampler"]["shift"]),
+        groups_kept=groups_kept,
+        groups_total=groups_total,
+    )

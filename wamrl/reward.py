@@ -1,0 +1,280 @@
+"""The reward stage's library (DESIGN.md "Reward" and "Advantages").
+
+For every valid macro-step the world model imagines the frames at +4 and +8 env steps
+from the stored query image; r^rec = -MSE(imagined, rendered) in the model's [-1, 1]
+scale. Then, over the whole iteration (all shards together): normalise r^rec, combine
+r = r^task + beta * r~^rec, discount within each episode, group-normalise into
+advantages and mark degenerate groups. Every shard gets a `reward/` group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from torch import Tensor
+
+from wamrl import advantages as A
+from wamrl.policy.base import Obs, Policy
+
+NUM_FUTURE = 2  # offsets +4 and +8
+IMAGINE_CHUNK = 16  # macro-steps per imagine() call; fixed so reruns batch identically
+
+
+def step_seed(base: int, shard: int, episode: int, step: int) -> int:
+    """A stable 63-bit seed per (shard, episode, first step of the chunk)."""
+    h = hashlib.sha256(f"wamrl-reward/{base}/{shard}/{episode}/{step}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def images_to_model(x: np.ndarray) -> Tensor:
+    """uint8 [..., H, W, 3] -> float32 [..., 3, H, W] in [-1, 1] (x * 2 / 255 - 1)."""
+    t = torch.from_numpy(np.ascontiguousarray(x)).float() * (2.0 / 255.0) - 1.0
+    return t.movedim(-1, -3)
+
+
+def open_rollout(path: Path) -> zarr.Group:
+    """Open a rollout store read-only after checking its rollout part (not reward/, which a
+    rerun of this stage replaces anyway)."""
+    from wamrl import store  # imported late: store.py is another helper's file
+
+    problems = store.validate_store(path, include_reward=False)
+    if problems:
+        raise store.StoreError(f"{path}: not a usable episode store:\n- " + "\n- ".join(problems))
+    return zarr.open_group(str(path), mode="r")
+
+
+@torch.no_grad()
+def reconstruction_rewards(
+    policy: Policy,
+    g: zarr.Group,
+    shard: int,
+    context: Tensor,
+    context_mask: Tensor,
+    imagine_steps: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> np.ndarray:
+    """r^rec [E, T] for one shard: -mean((imagined - rendered)^2) over both future frames.
+
+    Imagination is batched per episode in chunks of IMAGINE_CHUNK valid steps, each with
+    its own generator seeded from (seed, shard, episode, first step), so a rerun on the
+    same store (or a run that skips other shards) reproduces the arrays exactly.
+    0 on padding. g: the shard's root group (open_rollout(path)).
+    """
+    valid = np.asarray(g["step/valid"][:], dtype=bool)
+    task = np.asarray(g["episode/task"][:], dtype=np.int64)
+    E, T = valid.shape
+    r_rec = np.zeros((E, T), dtype=np.float32)
+    image, proprio, frames = g["step/image"], g["step/proprio"], g["step/frames"]
+    policy.eval()
+    for e in range(E):
+        steps = np.flatnonzero(valid[e])
+        if steps.size == 0:
+            continue
+        lo, hi = int(steps[0]), int(steps[-1]) + 1  # one contiguous read per episode
+        img_e = np.asarray(image[e, lo:hi])
+        prop_e = np.asarray(proprio[e, lo:hi], dtype=np.float32)
+        fr_e = np.asarray(frames[e, lo:hi])
+        for c in range(0, steps.size, IMAGINE_CHUNK):
+            ts = steps[c : c + IMAGINE_CHUNK]
+            rel = ts - lo
+            B = ts.size
+            obs = Obs(
+                image=images_to_model(img_e[rel]).to(device),
+                proprio=torch.from_numpy(prop_e[rel]).to(device),
+                context=context[task[e]].expand(B, *context.shape[1:]).to(device),
+                context_mask=context_mask[task[e]].expand(B, *context_mask.shape[1:]).to(device),
+            )
+            gen = torch.Generator(device=device).manual_seed(step_seed(seed, shard, e, int(ts[0])))
+            imagined = policy.imagine(obs, NUM_FUTURE, steps=imagine_steps, generator=gen).float()
+            target = images_to_model(fr_e[rel]).to(device)  # [B, 2, 3, H, W]
+            if imagined.shape != target.shape:
+                raise ValueError(
+                    f"imagined frames {tuple(imagined.shape)} do not match the stored "
+                    f"step/frames {tuple(target.shape)} (shard {shard}, episode {e})"
+                )
+            mse = ((imagined - target) ** 2).flatten(1).mean(dim=1)
+            r_rec[e, ts] = (-mse).cpu().numpy()
+    return r_rec
+
+
+@dataclass
+class ShardRewardInputs:
+    """What the advantage computation needs from one shard."""
+
+    valid: np.ndarray  # bool [E, T]
+    r_task: np.ndarray  # float32 [E, T]
+    task: np.ndarray  # int [E]
+    group: np.ndarray  # int [E]
+    init_state: np.ndarray  # int [E]
+    success: np.ndarray  # bool [E]
+    crashed: np.ndarray  # bool [E]
+    r_rec: np.ndarray  # float32 [E, T]
+
+
+def read_inputs(g: zarr.Group, r_rec: np.ndarray) -> ShardRewardInputs:
+    return ShardRewardInputs(
+        valid=np.asarray(g["step/valid"][:], dtype=bool),
+        r_task=np.asarray(g["step/r_task"][:], dtype=np.float32),
+        task=np.asarray(g["episode/task"][:], dtype=np.int64),
+        group=np.asarray(g["episode/group"][:], dtype=np.int64),
+        init_state=np.asarray(g["episode/init_state"][:], dtype=np.int64),
+        success=np.asarray(g["episode/success"][:], dtype=bool),
+        crashed=np.asarray(g["episode/env_crashed"][:], dtype=bool)
+        if "env_crashed" in g["episode"]
+        else np.zeros(g["episode/task"].shape[0], dtype=bool),
+        r_rec=r_rec,
+    )
+
+
+@dataclass
+class RewardResult:
+    arrays: list[dict[str, np.ndarray]]  # per shard: r_rec, r_rec_norm, reward, return, advantage
+    group_kept: list[np.ndarray]  # per shard: bool [E]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def _global_groups(shards: list[ShardRewardInputs]) -> np.ndarray:
+    """One id per (group, task, init_state) over all shards.
+
+    A group's G members share task and init state; keying on all three keeps two groups
+    apart even if shards numbered their groups independently, and joins a group whose
+    members were split over shards.
+    """
+    keys = np.concatenate(
+        [np.stack([s.group, s.task, s.init_state], axis=1) for s in shards], axis=0
+    )
+    _, ids = np.unique(keys, axis=0, return_inverse=True)
+    return ids.reshape(-1)
+
+
+def _pad_T(x: np.ndarray, T: int, fill: Any) -> np.ndarray:
+    if x.shape[1] == T:
+        return x
+    pad = np.full((x.shape[0], T - x.shape[1], *x.shape[2:]), fill, dtype=x.dtype)
+    return np.concatenate([x, pad], axis=1)
+
+
+def compute_advantages(shards: list[ShardRewardInputs], rcfg: dict[str, Any]) -> RewardResult:
+    """Normalise, combine, discount, group-normalise and filter over all shards together."""
+    T = max(s.valid.shape[1] for s in shards)
+    sizes = [s.valid.shape[0] for s in shards]
+    valid = np.concatenate([_pad_T(s.valid, T, False) for s in shards])
+    r_task = np.concatenate([_pad_T(s.r_task, T, 0.0) for s in shards])
+    r_rec = np.concatenate([_pad_T(s.r_rec, T, 0.0) for s in shards])
+    task = np.concatenate([s.task for s in shards])
+    success = np.concatenate([s.success for s in shards])
+    crashed = np.concatenate([s.crashed for s in shards])
+    group = _global_groups(shards)
+    # An env crash says nothing about the policy: its steps get rewards and returns but take
+    # no part in the group comparison (advantage 0, so the actor skips them) or the filter.
+    # group_kept must stay constant within a group, so it is not used to drop them.
+    compared = valid & ~crashed[:, None]
+
+    r_rec_norm, mean, std = A.normalise_rec(r_rec, valid)
+    beta = float(rcfg["beta"])
+    reward = np.where(valid, A.combine(r_task, r_rec_norm, beta), 0.0).astype(np.float32)
+    gamma = A.episode_gammas(task, float(rcfg["gamma"]), float(rcfg["gamma_libero_10"]))
+    returns = A.discounted_returns(reward, valid, gamma)
+    adv = A.group_advantages(returns, compared, group)
+    kept = np.zeros(group.shape[0], dtype=bool)
+    ok = ~crashed
+    kept_ok = A.degenerate_groups(
+        success[ok],
+        returns[ok],
+        compared[ok],
+        group[ok],
+        rcfg["filter"],
+        float(rcfg["zero_spread_eps"]),
+    )
+    for g in np.unique(group):  # a group of crashed episodes only is dropped
+        members_ok = group[ok] == g
+        kept[group == g] = bool(kept_ok[members_ok].any()) if members_ok.any() else False
+
+    arrays, kept_list = [], []
+    start = 0
+    for s, n in zip(shards, sizes, strict=True):
+        sl, Ts = slice(start, start + n), s.valid.shape[1]
+        arrays.append(
+            {
+                "r_rec": np.where(s.valid, s.r_rec, 0.0).astype(np.float32),
+                "r_rec_norm": r_rec_norm[sl, :Ts],
+                "reward": reward[sl, :Ts],
+                "return": returns[sl, :Ts],
+                "advantage": adv[sl, :Ts],
+            }
+        )
+        kept_list.append(kept[sl].copy())
+        start += n
+    groups_total = int(np.unique(group).size)
+    groups_kept = int(np.unique(group[kept]).size)
+    summary = {
+        "beta": beta,
+        "gamma": {"default": float(rcfg["gamma"]), "libero_10": float(rcfg["gamma_libero_10"])},
+        "rec_mean": mean,
+        "rec_std": std,
+        "filter": rcfg["filter"],
+        "groups_kept": groups_kept,
+        "groups_total": groups_total,
+        "crashed_episodes": int(crashed.sum()),
+        "episodes": int(sum(sizes)),
+        "valid_steps": int(valid.sum()),
+        "kept_steps": int((valid & kept[:, None]).sum()),
+        "success_rate": float(success.mean()) if success.size else 0.0,
+    }
+    return RewardResult(arrays, kept_list, summary)
+
+
+def run_reward(
+    policy: Policy,
+    shard_paths: list[Path],
+    context: Tensor,
+    context_mask: Tensor,
+    cfg: dict[str, Any],
+    world_model: dict[str, Any],
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """Compute every shard's reward/ group and write it; returns the summary.
+
+    world_model: {"kind": "live" | "frozen", "path": str, "sha256": str} for the attrs.
+    Nothing is written until every shard's arrays are computed (a failure leaves the
+    stores as they were).
+    """
+    from wamrl import store  # imported late: store.py is another helper's file
+
+    rcfg = cfg["reward"]
+    inputs = []
+    for w, path in enumerate(shard_paths):
+        g = open_rollout(path)
+        r_rec = reconstruction_rewards(
+            policy,
+            g,
+            w,
+            context,
+            context_mask,
+            int(rcfg["imagine_steps"]),
+            int(cfg["seed"]),
+            device,
+        )
+        inputs.append(read_inputs(g, r_rec))
+    result = compute_advantages(inputs, rcfg)
+    for name, arrs in ((n, a) for n, a in zip(shard_paths, result.arrays, strict=True)):
+        for k, v in arrs.items():
+            if not np.isfinite(v).all():
+                raise ValueError(f"non-finite reward/{k} in {name}; nothing was written")
+    # The store adds this shard's own groups_kept / groups_total; keep the iteration's too.
+    attrs = {
+        **{k: v for k, v in result.summary.items() if k not in ("groups_kept", "groups_total")},
+        "iteration_groups_kept": result.summary["groups_kept"],
+        "iteration_groups_total": result.summary["groups_total"],
+        "world_model": world_model,
+    }
+    for path, arrs, kept in zip(shard_paths, result.arrays, result.group_kept, strict=True):
+        store.write_reward_group(path, arrs, kept, attrs)
+    return {**result.summary, "world_model": world_model, "shards": [str(p) for p in shard_paths]}

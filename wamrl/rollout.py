@@ -1,0 +1,240 @@
+"""Run LIBERO episodes with a policy: queries batched over every env waiting for one.
+
+Used by both the rollout stage (mixed ODE/SDE sampler, K = 8, a = 0.5) and the eval stage
+(pure ODE, K = 20, a = 0, noise from a fixed per-episode seed). The loop:
+
+    start an episode on every free env slot
+    poll the pool: Query -> wait for a chunk; StepResult -> record the macro-step
+    all waiting slots -> one batched prefill + K denoising steps -> send each its 10 actions
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from wamrl.envs.conventions import Normalizer, env_actions, image_to_model_input
+from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
+from wamrl.envs.tasks import Task
+from wamrl.policy.base import Obs, Policy
+from wamrl.sampler import sample_chunk
+from wamrl.store import EpisodeData
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What to run, decided before the episode starts."""
+
+    task: Task
+    init_state: int
+    group: int
+    record_video: bool = False
+    noise_seed: int | None = None  # eval: x_0 drawn from this seed, so results are reproducible
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    K: int
+    a: float
+    shift: float
+
+
+@dataclass
+class _Running:
+    """One episode in flight on a slot."""
+
+    index: int
+    spec: EpisodeSpec
+    generator: torch.Generator | None
+    image: list[np.ndarray] = field(default_factory=list)
+    proprio: list[np.ndarray] = field(default_factory=list)
+    chain: list[np.ndarray] = field(default_factory=list)
+    k_star: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)
+    success: bool = False
+    video: list[np.ndarray] = field(default_factory=list)
+    video_proprio: list[np.ndarray] = field(default_factory=list)
+    pending: tuple[np.ndarray, np.ndarray] | None = None  # the query waiting for a chunk
+
+    def finish(self, crashed: bool) -> EpisodeData:
+        t = len(self.frames)  # completed macro-steps (a query without its chunk is dropped)
+        r_task = np.zeros(t, np.float32)
+        done = np.zeros(t, bool)
+        if t:
+            done[-1] = True
+            r_task[-1] = float(self.success)
+        video = self.video if self.spec.record_video and not crashed else None
+        return EpisodeData(
+            task=self.spec.task.index,
+            init_state=self.spec.init_state,
+            group=self.spec.group,
+            success=self.success and not crashed,
+            video_sft=video is not None,
+            env_crashed=crashed,
+            length=t,
+            image=np.stack(self.image[:t]) if t else np.zeros((0, 224, 448, 3), np.uint8),
+            proprio=np.stack(self.proprio[:t]).astype(np.float32) if t else np.zeros((0, 8), np.float32),
+            chain=np.stack(self.chain[:t]) if t else np.zeros((0, 0, 32, 7), np.float32),
+            k_star=np.asarray(self.k_star[:t], np.int32),
+            logp_old=np.asarray(self.logp[:t], np.float32),
+            frames=np.stack(self.frames) if t else np.zeros((0, 2, 224, 448, 3), np.uint8),
+            r_task=r_task,
+            done=done,
+            video_frames=np.stack(video) if video else None,
+            video_proprio=np.stack(self.video_proprio).astype(np.float32) if video else None,
+        )
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+
+
+@torch.no_grad()
+def query_chunks(
+    policy: Policy,
+    obs: Obs,
+    sampler: SamplerSettings,
+    generator: torch.Generator,
+    x0: torch.Tensor | None = None,
+):
+    """One batched policy query: prefill the first-frame cache, then K denoising steps."""
+    cache = policy.prefill(obs)
+    return sample_chunk(
+        policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0
+    )
+
+
+def run_episodes(
+    policy: Policy,
+    pool: EnvPool,
+    specs: list[EpisodeSpec],
+    context: torch.Tensor,
+    context_mask: torch.Tensor,
+    normalizer: Normalizer,
+    sampler: SamplerSettings,
+    max_macro_steps: int | None,
+    seed: int,
+    on_episode: Callable[[int, EpisodeData], None],
+    device: torch.device,
+    description: str = "rollout",
+) -> dict[str, float]:
+    """Run every spec to completion on the pool; `on_episode(i, data)` gets each finished one.
+
+    A crashed env process ends its episode as failed and truncated (env_crashed); the pool
+    restarts the process for the next episode and the run goes on.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    todo = list(enumerate(specs))[::-1]
+    running: dict[int, _Running] = {}
+    replan = pool.replan
+    stats = {"queries": 0, "batches": 0, "env_steps": 0, "crashed": 0}
+
+    def start(slot: int) -> None:
+        i, spec = todo.pop()
+        gen = None
+        if spec.noise_seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(spec.noise_seed)
+        running[slot] = _Running(i, spec, gen)
+        pool.start_episode(slot, spec.task, spec.init_state, spec.record_video, max_macro_steps)
+
+    with progress_bar() as bar:
+        job = bar.add_task(description, total=len(specs), info="")
+        for slot in range(min(len(pool), len(todo))):
+            start(slot)
+        done_count = successes = 0
+        while running:
+            events = pool.poll(timeout=None)
+            events += pool.poll(timeout=0.0)
+            for ev in events:
+                ep = running.get(ev.slot)
+                if ep is None:
+                    continue
+                if isinstance(ev, Query):
+                    ep.pending = (ev.image, normalizer.normalize_state(ev.proprio_raw))
+                    if ep.spec.record_video and not ep.video:
+                        ep.video.append(ev.image)
+                        ep.video_proprio.append(ev.proprio_raw)
+                    continue
+                if isinstance(ev, StepResult):
+                    ep.frames.append(ev.frames)
+                    ep.success = ep.success or ev.success
+                    stats["env_steps"] += ev.env_steps
+                    if ev.video is not None:
+                        ep.video.extend(ev.video)
+                        ep.video_proprio.extend(ev.video_proprio)
+                    if not ev.done:
+                        continue
+                    crashed = False
+                elif isinstance(ev, Crashed):
+                    crashed = True
+                    stats["crashed"] += 1
+                else:  # pragma: no cover - the pool has three event kinds
+                    raise TypeError(f"unknown pool event {ev!r}")
+                data = ep.finish(crashed)
+                on_episode(ep.index, data)
+                del running[ev.slot]
+                done_count += 1
+                successes += int(data.success)
+                bar.update(job, advance=1, info=f"success {successes}/{done_count}")
+                if todo:
+                    start(ev.slot)
+            waiting = [s for s, ep in running.items() if ep.pending is not None]
+            if waiting:
+                _answer(policy, pool, running, waiting, context, context_mask, normalizer,
+                        sampler, generator, device, replan)
+                stats["queries"] += len(waiting)
+                stats["batches"] += 1
+    return stats
+
+
+def _answer(
+    policy: Policy,
+    pool: EnvPool,
+    running: dict[int, _Running],
+    slots: list[int],
+    context: torch.Tensor,
+    context_mask: torch.Tensor,
+    normalizer: Normalizer,
+    sampler: SamplerSettings,
+    generator: torch.Generator,
+    device: torch.device,
+    replan: int,
+) -> None:
+    eps = [running[s] for s in slots]
+    images = np.stack([ep.pending[0] for ep in eps])
+    proprio = np.stack([ep.pending[1] for ep in eps]).astype(np.float32)
+    tasks = torch.as_tensor([ep.spec.task.index for ep in eps])
+    obs = Obs(
+        image_to_model_input(images),
+        torch.from_numpy(proprio),
+        context[tasks],
+        context_mask[tasks],
+    ).to(device)
+    x0 = None
+    if all(ep.generator is not None for ep in eps):  # eval: per-episode reproducible noise
+        x0 = torch.stack([torch.randn(32, 7, generator=ep.generator) for ep in eps]).to(device)
+    out = query_chunks(policy, obs, sampler, generator, x0=x0)
+    chain = out.chain.float().cpu().numpy()
+    k_star = out.k_star.cpu().numpy()
+    logp = out.logp.float().cpu().numpy()
+    for j, (slot, ep) in enumerate(zip(slots, eps, strict=True)):
+        ep.image.append(ep.pending[0])
+        ep.proprio.append(ep.pending[1])
+        ep.chain.append(chain[j])
+        ep.k_star.append(int(k_star[j]))
+        ep.logp.append(float(logp[j]))
+        ep.pending = None
+        pool.send_chunk(slot, env_actions(chain[j, -1], normalizer, replan))

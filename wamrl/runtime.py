@@ -1,0 +1,26 @@
+"""Process-level choices every stage makes the same way: device, threads, GL backend."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def pick_device(cfg: dict[str, Any]) -> torch.device:
+    """cfg device cpu | cuda | auto. Snakemake sets no GPU: a job picks cuda:$WAMRL_GPU (default 0)."""
+    want = cfg["device"]
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("config device is 'cuda' but torch sees no CUDA device")
+        return torch.device(f"cuda:{int(os.environ.get('WAMRL_GPU', '0'))}")
+    return torch.device("cpu")
+
+
+def set_gl_backend(cfg: dict[str, Any]) -> None:
+    """MuJoCo reads MUJOCO_GL at import: set it before anything imports robosuite."""
+    os.environ.setdefault("MUJOCO_GL", cfg["env"]["mujoco_gl"])
+    os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
