@@ -52,7 +52,9 @@ def build_table() -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "tasks.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "tasks.json"
+    )
     args = parser.parse_args()
     rows = build_table()
     doc = {

@@ -104,7 +104,14 @@ def _stats() -> dict:
     def entry(lo, hi):
         lo, hi = np.asarray(lo, float), np.asarray(hi, float)
         mid = ((lo + hi) / 2).tolist()
-        return {"min": lo.tolist(), "max": hi.tolist(), "mean": mid, "std": mid, "q01": mid, "q99": mid}
+        return {
+            "min": lo.tolist(),
+            "max": hi.tolist(),
+            "mean": mid,
+            "std": mid,
+            "q01": mid,
+            "q99": mid,
+        }
 
     return {
         "source": "test",

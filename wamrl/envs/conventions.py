@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     import torch
 
 MODEL_HW = 224  # each camera's side in the model image
-DUMMY_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)  # settle steps: hold, gripper open
+DUMMY_ACTION = np.array(
+    [0, 0, 0, 0, 0, 0, -1], dtype=np.float64
+)  # settle steps: hold, gripper open
 RANGE_EPS = 1e-4  # dims whose max - min is below this are constant: they normalise to 0
 NORM_CLAMP = 5.0  # normalised state is clamped to [-5, 5]
 
@@ -120,7 +122,9 @@ class Normalizer:
     with one KEY per kind (other top-level keys, e.g. "source", are ignored).
     """
 
-    def __init__(self, stats: dict[str, Any], state_key: str | None = None, action_key: str | None = None):
+    def __init__(
+        self, stats: dict[str, Any], state_key: str | None = None, action_key: str | None = None
+    ):
         self.stats = stats
         self.state_key, self._state = _pick(stats["state"], "state", state_key)
         self.action_key, self._action = _pick(stats["action"], "action", action_key)
@@ -171,7 +175,9 @@ def env_actions(chunk_norm: np.ndarray, normalizer: Normalizer, replan: int = 10
     """Normalised chunk [32, 7] -> the `replan` env actions to execute, float64 [replan, 7]."""
     chunk = np.asarray(chunk_norm, np.float64)
     if chunk.ndim != 2 or chunk.shape[1] != normalizer.action_dim or chunk.shape[0] < replan:
-        raise ValueError(f"expected a [>= {replan}, {normalizer.action_dim}] chunk, got {chunk.shape}")
+        raise ValueError(
+            f"expected a [>= {replan}, {normalizer.action_dim}] chunk, got {chunk.shape}"
+        )
     actions = normalizer.denormalize_action(chunk[:replan])
     actions[:, -1] = gripper_to_env(actions[:, -1])
     return actions

@@ -89,6 +89,7 @@ class LiberoEnv:
             def gated(obs_cache: dict, render: Any = render) -> np.ndarray:
                 return render(obs_cache) if self._render_on else blank
 
+            gated.__modality__ = render.__modality__  # robosuite reads it off the sensor
             observable._sensor = gated
 
     def _observe(self, fn: Any, *args: Any, render: bool) -> Any:
@@ -121,13 +122,26 @@ class LiberoEnv:
         """Env steps left before robosuite's horizon (stepping past it raises)."""
         return self.horizon - self._robosuite_env.timestep
 
+    def _reset_sim(self, attempts: int = 100) -> None:
+        # LIBERO's ControlEnv.reset retries forever and its `finally: continue` swallows
+        # every exception; retry only placement failures, and only a bounded number of times.
+        from robosuite.utils.errors import RandomizationError
+
+        for _ in range(attempts):
+            try:
+                self._robosuite_env.reset()
+                return
+            except RandomizationError:
+                continue
+        raise RuntimeError(f"{self.task.name}: object placement failed {attempts} times")
+
     def reset(self, init_state_index: int) -> None:
         """Soft reset, load the suite's init state, then settle with the dummy action.
 
         The last settle step is rendered: `render()` is then the first query's image."""
         if not 0 <= init_state_index < len(self.init_states):
             raise IndexError(f"init state {init_state_index} not in 0..{len(self.init_states) - 1}")
-        self.env.reset()
+        self._reset_sim()
         # A soft reset keeps the gripper's speed-limited command from the last episode;
         # a hard reset (and a fresh env) starts it at 0. Zero it so an episode does not
         # depend on what ran before in this process.
@@ -173,7 +187,9 @@ class LiberoEnv:
         if self._obs is None:
             raise RuntimeError("reset() first")
         if self.steps_left <= 0:
-            raise RuntimeError(f"{self.task.name}: at the env horizon ({self.horizon}); reset first")
+            raise RuntimeError(
+                f"{self.task.name}: at the env horizon ({self.horizon}); reset first"
+            )
         action = np.asarray(action, dtype=np.float64)
         if action.shape != (7,):
             raise ValueError(f"expected a (7,) action, got {action.shape}")

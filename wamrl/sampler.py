@@ -1,0 +1,148 @@
+"""The mixed ODE/SDE flow sampler (piRL Flow-SDE) and its log-probabilities.
+
+Convention: x_sigma = (1 - sigma) a + sigma eps, v = eps - a; sigma = 1 noise, 0 data.
+Schedule (shift s): sigma_k = phi(1 - k/K), phi(u) = s u / (1 + (s - 1) u), k = 0..K.
+
+    ODE step  x_{k+1} = x_k + (sigma_{k+1} - sigma_k) v
+    SDE step  Delta = sigma_k - sigma_{k+1},  g = a sqrt(sigma_k / (1 - sigma_k))
+              mu = x_k - Delta [v + g^2 / (2 sigma_k) (x_k + (1 - sigma_k) v)]
+              std = g sqrt(Delta),  x_{k+1} = mu + std xi
+
+Per query and env: x_0 ~ N(0, I) fresh, k* ~ U{1..K-1} (k* >= 1 avoids sigma = 1 where g
+is infinite); step k* is the SDE step, every other step is ODE. log pi_old is the Gaussian
+log-density of x_{k*+1} given x_{k*}, summed over the 32 x 7 entries, always in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs, Policy
+
+
+def sigma_schedule(K: int, shift: float = 5.0) -> Tensor:
+    """[K + 1] sigmas from 1 to 0 (computed in float64, returned float32)."""
+    u = 1.0 - torch.arange(K + 1, dtype=torch.float64) / K
+    return (shift * u / (1.0 + (shift - 1.0) * u)).float()
+
+
+def ode_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    return x + _bcast(sigma_next - sigma, x) * v
+
+
+def sde_mean_std(
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, a: float
+) -> tuple[Tensor, Tensor]:
+    """Mean and std of the Flow-SDE transition x_k -> x_{k+1}, float32. sigma: [B] or scalar."""
+    x, v = x.float(), v.float()
+    s = _bcast(torch.as_tensor(sigma, dtype=torch.float32, device=x.device), x)
+    s_next = _bcast(torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device), x)
+    delta = s - s_next
+    g = a * torch.sqrt(s / (1.0 - s))
+    mu = x - delta * (v + (g**2 / (2.0 * s)) * (x + (1.0 - s) * v))
+    std = g * torch.sqrt(delta)
+    return mu, std.expand_as(mu)
+
+
+def gaussian_log_prob(x_next: Tensor, mu: Tensor, std: Tensor) -> Tensor:
+    """log N(x_next; mu, std^2) summed over every dim but the first, in float32: [B]."""
+    x_next, mu, std = x_next.float(), mu.float(), std.float()
+    z = (x_next - mu) / std
+    logp = -0.5 * z**2 - torch.log(std) - 0.5 * math.log(2.0 * math.pi)
+    return logp.flatten(1).sum(1)
+
+
+@dataclass
+class SampleResult:
+    chain: Tensor  # [B, K + 1, 32, 7]: x_0 (noise) ... x_K (the action chunk)
+    k_star: Tensor  # [B] int64, the SDE step (0 when a = 0: no stochastic step)
+    logp: Tensor  # [B] float32 log pi_old of x_{k*+1} given x_{k*} (0 when a = 0)
+
+
+def sample_chunk(
+    policy: Policy,
+    cache: Any,
+    batch: int,
+    K: int,
+    a: float,
+    shift: float,
+    generator: torch.Generator | None,
+    x0: Tensor | None = None,
+    k_star: Tensor | None = None,
+) -> SampleResult:
+    """Denoise a batch of chunks over a prefilled cache with the mixed sampler.
+
+    a = 0 is the pure ODE sampler (evaluation): no step is stochastic, k* and logp are 0.
+    """
+    device = _device_of(policy)
+    sigmas = sigma_schedule(K, shift).to(device)
+    if x0 is None:
+        x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator).to(device)
+    if k_star is None:
+        k_star = torch.randint(1, K, (batch,), generator=generator) if a > 0 and K > 1 else torch.zeros(batch, dtype=torch.long)
+    k_star = k_star.to(device=device, dtype=torch.long)
+    x = x0.float()
+    chain = [x]
+    logp = torch.zeros(batch, dtype=torch.float32, device=device)
+    for k in range(K):
+        s, s_next = sigmas[k], sigmas[k + 1]
+        v = policy.velocity(cache, x, s.expand(batch)).float()
+        x_next = ode_step(x, v, s, s_next)
+        sde = (k_star == k) & (a > 0)
+        if bool(sde.any()):
+            mu, std = sde_mean_std(x, v, s, s_next, a)
+            noise = torch.randn(x.shape, generator=generator).to(device)
+            x_sde = mu + std * noise
+            x_next = torch.where(_bcast(sde, x), x_sde, x_next)
+            logp = torch.where(sde, gaussian_log_prob(x_sde, mu, std), logp)
+        x = x_next
+        chain.append(x)
+    return SampleResult(torch.stack(chain, 1), k_star, logp)
+
+
+def recompute_log_prob(
+    policy: Policy,
+    obs: Obs | None,
+    x_k: Tensor,
+    x_next: Tensor,
+    k_star: Tensor,
+    K: int,
+    a: float,
+    shift: float,
+    cache: Any = None,
+) -> Tensor:
+    """The learner's grad-capable path: log pi(x_{k*+1} | x_{k*}) under the current weights.
+
+    Uncompiled and eager. Pass `cache` computed under no_grad (the actor's gradient then stops
+    at the first-frame cache, seed 002 section 8.3); otherwise it is built from `obs` here.
+    """
+    if cache is None:
+        if obs is None:
+            raise ValueError("recompute_log_prob needs obs or a cache")
+        cache = policy.prefill(obs)
+    sigmas = sigma_schedule(K, shift).to(x_k.device)
+    k_star = k_star.to(device=x_k.device, dtype=torch.long)
+    if bool(((k_star < 1) | (k_star > K - 1)).any()):
+        raise ValueError(f"k* must lie in 1..{K - 1}, got {k_star.tolist()}")
+    s, s_next = sigmas[k_star], sigmas[k_star + 1]
+    v = policy.velocity(cache, x_k, s)
+    mu, std = sde_mean_std(x_k, v, s, s_next, a)
+    return gaussian_log_prob(x_next, mu, std)
+
+
+def _bcast(t: Tensor, like: Tensor) -> Tensor:
+    """[B] (or scalar) -> broadcastable against like [B, ...]."""
+    t = torch.as_tensor(t, device=like.device)
+    return t.reshape(t.shape + (1,) * (like.dim() - t.dim())) if t.dim() else t
+
+
+def _device_of(policy: Policy) -> torch.device:
+    try:
+        return next(policy.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
