@@ -33,9 +33,8 @@ def _device(cfg: dict[str, Any]) -> str:
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
-    from wamrl.policy.text import load_contexts
-
     from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
 
     run_dir = Path(run_dir)
     device = _device(cfg)

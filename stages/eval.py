@@ -56,7 +56,9 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     if e["tasks"] is not None:
         tasks = [t for t in tasks if t.index in set(e["tasks"])]
         if not tasks:
-            raise ValueError(f"eval.tasks {e['tasks']} selects no task of eval.suites {e['suites']}")
+            raise ValueError(
+                f"eval.tasks {e['tasks']} selects no task of eval.suites {e['suites']}"
+            )
     specs = [
         EpisodeSpec(
             task=t,
@@ -83,9 +85,17 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     start = time.time()
     with EnvPool(e["envs"], policy_dir / "stats.json", dict(cfg["env"]), seed=e["seed"]) as pool:
         run_episodes(
-            policy, pool, specs, context.to(device), mask.to(device), normalizer,
+            policy,
+            pool,
+            specs,
+            context.to(device),
+            mask.to(device),
+            normalizer,
             SamplerSettings(e["K"], 0.0, cfg["sampler"]["shift"]),
-            e["max_macro_steps"], seed=e["seed"], on_episode=on_episode, device=device,
+            e["max_macro_steps"],
+            seed=e["seed"],
+            on_episode=on_episode,
+            device=device,
             description=f"eval iter {iteration}",
         )
     report = {

@@ -34,7 +34,10 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
         if not (base_dir / "model.safetensors").is_file():
             raise FileNotFoundError(f"policy.base_checkpoint: no model.safetensors in {base_dir}")
         policy = load_policy(base_dir)
-        source = {"base_checkpoint": str(base_dir), "sha256": sha256_file(base_dir / "model.safetensors")}
+        source = {
+            "base_checkpoint": str(base_dir),
+            "sha256": sha256_file(base_dir / "model.safetensors"),
+        }
     else:
         torch.manual_seed(cfg["seed"])
         policy = build_policy(cfg)
@@ -48,5 +51,10 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
         shutil.copy2(stats, tmp / "stats.json")
         write_json(
             tmp / "checkpoint.json",
-            {"sha256": sha256_file(tmp / "model.safetensors"), "iteration": 0, **source, "config": cfg},
+            {
+                "sha256": sha256_file(tmp / "model.safetensors"),
+                "iteration": 0,
+                **source,
+                "config": cfg,
+            },
         )

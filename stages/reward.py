@@ -43,9 +43,8 @@ def world_model_dir(cfg: dict[str, Any], run_dir: Path, iteration: int) -> tuple
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
-    from wamrl.policy.text import load_contexts
-
     from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
 
     if iteration < 1:
         raise ValueError("the reward stage runs for iterations >= 1 (iteration 0 is init)")

@@ -32,13 +32,13 @@ def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> None:
     set_gl_backend(cfg)
+    from stages.reward import checkpoint_sha256
     from wamrl.envs.conventions import Normalizer
     from wamrl.envs.pool import EnvPool
     from wamrl.policy import load_policy
     from wamrl.policy.text import load_contexts
     from wamrl.rollout import SamplerSettings, run_episodes
     from wamrl.store import ShardWriter
-    from stages.reward import checkpoint_sha256
 
     if iteration < 1:
         raise ValueError("rollouts start at iteration 1 (iteration 0 is init)")
@@ -71,11 +71,20 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     }
     env_cfg = dict(cfg["env"])
     with (
-        ShardWriter(paths.shard_path(run_dir, iteration, worker), len(specs), T, s["K"], Tv, attrs) as writer,
-        EnvPool(cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]) as pool,
+        ShardWriter(
+            paths.shard_path(run_dir, iteration, worker), len(specs), T, s["K"], Tv, attrs
+        ) as writer,
+        EnvPool(
+            cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]
+        ) as pool,
     ):
         run_episodes(
-            policy, pool, specs, context.to(device), mask.to(device), normalizer,
+            policy,
+            pool,
+            specs,
+            context.to(device),
+            mask.to(device),
+            normalizer,
             SamplerSettings(s["K"], s["noise_a"], s["shift"]),
             cfg["env"]["max_macro_steps"],
             seed=int(np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]),

@@ -42,9 +42,8 @@ def _save_vector(path: Path, key: str, v: torch.Tensor | None) -> None:
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
-    from wamrl.policy.text import load_contexts
-
     from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
 
     run_dir = Path(run_dir)
     device = _device(cfg)

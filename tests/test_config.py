@@ -18,8 +18,16 @@ def test_seed_table_defaults_match_the_design():
     assert cfg["actor"]["clip_low"] == cfg["actor"]["clip_high"] == 0.2
     assert (cfg["actor"]["epochs"], cfg["actor"]["minibatch"], cfg["actor"]["lr"]) == (2, 64, 1e-5)
     assert (cfg["world_model"]["lora_rank"], cfg["world_model"]["lr"]) == (64, 5e-5)
-    assert (cfg["reward"]["beta"], cfg["reward"]["gamma"], cfg["reward"]["gamma_libero_10"]) == (0.1, 0.99, 0.995)
-    assert (cfg["world_model"]["kl_weight"], cfg["world_model"]["ema"], cfg["eval"]["K"]) == (0.1, 0.99, 20)
+    assert (cfg["reward"]["beta"], cfg["reward"]["gamma"], cfg["reward"]["gamma_libero_10"]) == (
+        0.1,
+        0.99,
+        0.995,
+    )
+    assert (cfg["world_model"]["kl_weight"], cfg["world_model"]["ema"], cfg["eval"]["K"]) == (
+        0.1,
+        0.99,
+        20,
+    )
     assert cfg["actor"]["ref_kl"] == 0.0 and cfg["reward"]["filter"] == "all_same"
 
 

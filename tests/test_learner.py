@@ -86,7 +86,13 @@ def make_run(tmp: Path, cfg: dict[str, Any]) -> Path:
     torch.manual_seed(0)
     policy = policy_pkg.build_policy(cfg)
     policy.save(pdir)
-    text.write_contexts(cfg, pdir / "context.safetensors")  # API of the policy helper
+    from wamrl.envs.tasks import load_tasks
+
+    tasks = load_tasks()
+    ctx, mask = text.encode_texts(
+        [t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"]
+    )
+    text.save_contexts(pdir / "context.safetensors", [t.name for t in tasks], ctx, mask)
     stats = ROOT / cfg["policy"]["stats"]  # merge only copies it: any stats file will do
     (pdir / "stats.json").write_text(
         stats.read_text() if stats.exists() else '{"state": {}, "action": {}}'

@@ -11,7 +11,9 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "
 
 
 def plan(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*SNAKEMAKE, "-n", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [*SNAKEMAKE, "-n", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
 
 
 def job_counts(out: str) -> dict[str, int]:
@@ -27,7 +29,16 @@ def test_one_iteration_plans_every_rule(tmp_path):
     p = plan(tmp_path, "iter_001/eval.json")
     assert p.returncode == 0, p.stderr
     counts = job_counts(p.stdout + p.stderr)
-    assert counts == {"init": 1, "rollout": 2, "reward": 1, "actor": 1, "world_model": 1, "merge": 1, "eval": 1, "total": 8}
+    assert counts == {
+        "init": 1,
+        "rollout": 2,
+        "reward": 1,
+        "actor": 1,
+        "world_model": 1,
+        "merge": 1,
+        "eval": 1,
+        "total": 8,
+    }
 
 
 def test_deep_chain_builds_without_recursion_error(tmp_path):

@@ -28,7 +28,9 @@ from wamrl.config import RUN_CONFIG, ConfigError, dump, load_config, parse_overr
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False)
 
-RunDir = Annotated[Path, typer.Option("--run-dir", "-d", help="run directory (Snakemake's working dir)")]
+RunDir = Annotated[
+    Path, typer.Option("--run-dir", "-d", help="run directory (Snakemake's working dir)")
+]
 Iter = Annotated[int, typer.Option("--iter", "-i", help="iteration number", min=0)]
 ConfigFiles = Annotated[
     list[Path] | None, typer.Option("--configfile", "-c", help="YAML merged over the run config")
@@ -36,7 +38,9 @@ ConfigFiles = Annotated[
 Sets = Annotated[list[str] | None, typer.Option("--set", "-s", help="override: key.path=value")]
 
 
-def resolve(run_dir: Path, configfiles: list[Path] | None, sets: list[str] | None) -> dict[str, Any]:
+def resolve(
+    run_dir: Path, configfiles: list[Path] | None, sets: list[str] | None
+) -> dict[str, Any]:
     files = [run_dir / RUN_CONFIG] if (run_dir / RUN_CONFIG).is_file() else []
     try:
         return load_config([*files, *(configfiles or [])], parse_overrides(sets or []))
@@ -69,14 +73,18 @@ def rollout(
 
 
 def _iteration_command(stage: str, doc: str) -> None:
-    def command(iter: Iter, run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
+    def command(
+        iter: Iter, run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None
+    ) -> None:
         run_stage(stage, resolve(run_dir, configfile, set), run_dir, iteration=iter)
 
     command.__doc__ = doc
     app.command(name=stage.replace("_", "-"))(command)
 
 
-_iteration_command("reward", "Imagined-future rewards, returns, advantages -> reward/ in every shard.")
+_iteration_command(
+    "reward", "Imagined-future rewards, returns, advantages -> reward/ in every shard."
+)
 _iteration_command("actor", "PPO on the action expert -> iter_n/actor/.")
 _iteration_command("world_model", "LoRA update of the video expert -> iter_n/world_model/.")
 _iteration_command("merge", "Previous policy + new actor + new LoRA -> iter_n/policy/.")

@@ -130,7 +130,9 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             "every shard needs at least one group"
         )
     if (cfg["world_model"]["window_frames"] - 1) % 4:
-        raise ConfigError("world_model.window_frames: must be 4k+1 (video frames are 4 env steps apart)")
+        raise ConfigError(
+            "world_model.window_frames: must be 4k+1 (video frames are 4 env steps apart)"
+        )
 
 
 def load_config(

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from wamrl.envs.conventions import Normalizer, env_actions, image_to_model_input
 from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
@@ -78,7 +85,9 @@ class _Running:
             env_crashed=crashed,
             length=t,
             image=np.stack(self.image[:t]) if t else np.zeros((0, 224, 448, 3), np.uint8),
-            proprio=np.stack(self.proprio[:t]).astype(np.float32) if t else np.zeros((0, 8), np.float32),
+            proprio=np.stack(self.proprio[:t]).astype(np.float32)
+            if t
+            else np.zeros((0, 8), np.float32),
             chain=np.stack(self.chain[:t]) if t else np.zeros((0, 0, 32, 7), np.float32),
             k_star=np.asarray(self.k_star[:t], np.int32),
             logp_old=np.asarray(self.logp[:t], np.float32),
@@ -193,8 +202,19 @@ def run_episodes(
                     start(ev.slot)
             waiting = [s for s, ep in running.items() if ep.pending is not None]
             if waiting:
-                _answer(policy, pool, running, waiting, context, context_mask, normalizer,
-                        sampler, generator, device, replan)
+                _answer(
+                    policy,
+                    pool,
+                    running,
+                    waiting,
+                    context,
+                    context_mask,
+                    normalizer,
+                    sampler,
+                    generator,
+                    device,
+                    replan,
+                )
                 stats["queries"] += len(waiting)
                 stats["batches"] += 1
     return stats

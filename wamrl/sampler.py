@@ -84,7 +84,11 @@ def sample_chunk(
     if x0 is None:
         x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator).to(device)
     if k_star is None:
-        k_star = torch.randint(1, K, (batch,), generator=generator) if a > 0 and K > 1 else torch.zeros(batch, dtype=torch.long)
+        k_star = (
+            torch.randint(1, K, (batch,), generator=generator)
+            if a > 0 and K > 1
+            else torch.zeros(batch, dtype=torch.long)
+        )
     k_star = k_star.to(device=device, dtype=torch.long)
     x = x0.float()
     chain = [x]

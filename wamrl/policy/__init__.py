@@ -32,5 +32,7 @@ def load_policy(directory: Path, device: str | torch.device = "cpu") -> Policy:
     meta = read_policy_yaml(Path(directory) / "policy.yaml")
     backends = _backends()
     if meta["backend"] not in backends:
-        raise ValueError(f"{directory}: unknown backend {meta['backend']!r}; known: {sorted(backends)}")
+        raise ValueError(
+            f"{directory}: unknown backend {meta['backend']!r}; known: {sorted(backends)}"
+        )
     return backends[meta["backend"]].load(Path(directory), device=device)

@@ -41,7 +41,9 @@ class Obs:
     context_mask: Tensor  # [B, L] bool, True where a token exists
 
     def to(self, device: torch.device | str) -> Obs:
-        return Obs(*(t.to(device) for t in (self.image, self.proprio, self.context, self.context_mask)))
+        return Obs(
+            *(t.to(device) for t in (self.image, self.proprio, self.context, self.context_mask))
+        )
 
     @property
     def batch_size(self) -> int:

@@ -23,10 +23,14 @@ def load_state(model: nn.Module, path: Path) -> None:
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        raise ValueError(
+            f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}"
+        )
     for k, v in state.items():
         if tuple(v.shape) != tuple(own[k].shape):
-            raise ValueError(f"{path}: tensor {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
+            raise ValueError(
+                f"{path}: tensor {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}"
+            )
     model.load_state_dict(state, strict=True)
 
 

@@ -39,7 +39,11 @@ def encode_texts(texts: list[str], max_len: int = 32) -> tuple[Tensor, Tensor]:
 
 
 def save_contexts(path: Path, names: list[str], context: Tensor, mask: Tensor) -> None:
-    save_file({"context": context.contiguous(), "mask": mask.contiguous()}, str(path), metadata={"names": "\n".join(names)})
+    save_file(
+        {"context": context.contiguous(), "mask": mask.contiguous()},
+        str(path),
+        metadata={"names": "\n".join(names)},
+    )
 
 
 def load_contexts(path: Path) -> tuple[Tensor, Tensor]:

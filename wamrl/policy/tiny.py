@@ -117,7 +117,12 @@ def video_rope(frames: int, head_dim: int, device: torch.device) -> Tensor:
         indexing="ij",
     )
     return torch.cat(
-        [rope_angles(t.flatten(), d_t), rope_angles(r.flatten(), d_hw), rope_angles(c.flatten(), d_hw)], -1
+        [
+            rope_angles(t.flatten(), d_t),
+            rope_angles(r.flatten(), d_hw),
+            rope_angles(c.flatten(), d_hw),
+        ],
+        -1,
     )
 
 
@@ -218,7 +223,9 @@ class TinyWAM(Policy):
     def encode_frames(self, video: Tensor) -> Tensor:
         """[B, F, 3, 224, 448] -> latents [B, F, C, 14, 28]."""
         b, f = video.shape[:2]
-        return self.ae.encode(video.flatten(0, 1)).view(b, f, self.cfg.latent_channels, LAT_H, LAT_W)
+        return self.ae.encode(video.flatten(0, 1)).view(
+            b, f, self.cfg.latent_channels, LAT_H, LAT_W
+        )
 
     def video_tokens(self, z: Tensor, sigma_frames: Tensor) -> Tensor:
         """latents [B, F, C, 14, 28], per-frame sigma [B, F] -> tokens [B, F*98, Dv]."""
@@ -230,7 +237,9 @@ class TinyWAM(Policy):
         temb = self.action_time(timestep_embedding(sigma, 64))[:, None]
         return self.action_in(x) + self.action_pos + temb
 
-    def action_context(self, context: Tensor, mask: Tensor, proprio: Tensor) -> tuple[Tensor, Tensor]:
+    def action_context(
+        self, context: Tensor, mask: Tensor, proprio: Tensor
+    ) -> tuple[Tensor, Tensor]:
         tok = self.proprio_enc(proprio)[:, None]
         ones = torch.ones_like(mask[:, :1])
         return torch.cat([context, tok], 1), torch.cat([mask, ones], 1)
@@ -323,7 +332,9 @@ class TinyWAM(Policy):
         u = 1.0 - torch.arange(steps + 1, dtype=torch.float64) / steps
         sig = shifted_sigma(u).float().tolist()
         for k in range(steps):
-            sf = torch.cat([torch.zeros(b, 1), torch.full((b, num_future), sig[k])], 1).to(z0.device)
+            sf = torch.cat([torch.zeros(b, 1), torch.full((b, num_future), sig[k])], 1).to(
+                z0.device
+            )
             vel, _, _ = self.joint_forward(
                 torch.cat([z0, zf], 1), sf, None, None, obs.context, obs.context_mask, obs.proprio
             )
@@ -354,7 +365,9 @@ class TinyWAM(Policy):
         vel, _, _ = self.joint_forward(noisy, sf, None, None, context, context_mask, proprio)
         return F.mse_loss(vel[:, 1:], eps - z[:, 1:]) + recon
 
-    def action_loss(self, obs: Obs, actions: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def action_loss(
+        self, obs: Obs, actions: Tensor, generator: torch.Generator | None = None
+    ) -> Tensor:
         b = actions.shape[0]
         sigma = shifted_sigma(torch.rand(b, generator=generator)).to(actions.device)
         eps = torch.randn(actions.shape, generator=generator).to(actions.device)
@@ -362,7 +375,9 @@ class TinyWAM(Policy):
         v = self.velocity(self.prefill(obs), (1 - s) * actions + s * eps, sigma)
         return F.mse_loss(v, eps - actions)
 
-    def features(self, video: Tensor, context: Tensor, context_mask: Tensor, proprio: Tensor) -> Tensor:
+    def features(
+        self, video: Tensor, context: Tensor, context_mask: Tensor, proprio: Tensor
+    ) -> Tensor:
         z = self.encode_frames(video)
         sf = torch.zeros(z.shape[:2], device=z.device)
         _, _, feats = self.joint_forward(z, sf, None, None, context, context_mask, proprio)
