@@ -97,6 +97,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             on_episode=on_episode,
             device=device,
             description=f"eval iter {iteration}",
+            lockstep=True,
         )
     report = {
         "iteration": iteration,

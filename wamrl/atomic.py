@@ -12,6 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
@@ -19,6 +22,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp's 0700 would survive the rename
     try:
         yield tmp
         if final.exists():
@@ -44,6 +48,7 @@ def write_text(final: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would survive the rename
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -139,8 +139,13 @@ def run_episodes(
     on_episode: Callable[[int, EpisodeData], None],
     device: torch.device,
     description: str = "rollout",
+    lockstep: bool = False,
 ) -> dict[str, float]:
     """Run every spec to completion on the pool; `on_episode(i, data)` gets each finished one.
+
+    lockstep (eval): answer only when every running episode waits, so each batch holds the
+    same episodes on every rerun and results are bitwise reproducible; otherwise whoever
+    waits is answered at once (batch composition then follows process timing).
 
     A crashed env process ends its episode as failed and truncated (env_crashed); the pool
     restarts the process for the next episode and the run goes on.
@@ -201,7 +206,7 @@ def run_episodes(
                 if todo:
                     start(ev.slot)
             waiting = [s for s, ep in running.items() if ep.pending is not None]
-            if waiting:
+            if waiting and (not lockstep or len(waiting) == len(running)):
                 _answer(
                     policy,
                     pool,

@@ -141,6 +141,13 @@ class LiberoEnv:
         The last settle step is rendered: `render()` is then the first query's image."""
         if not 0 <= init_state_index < len(self.init_states):
             raise IndexError(f"init state {init_state_index} not in 0..{len(self.init_states) - 1}")
+        # LIBERO re-places the fixtures (cabinets, stoves: fixed bodies the init-state file
+        # does not hold) at every reset from the global numpy RNG. Seed it from (task, init
+        # state) so that an init state is the whole initial condition: group members start
+        # alike and an eval episode reproduces exactly.
+        np.random.seed(
+            np.random.SeedSequence([self.task.index, init_state_index]).generate_state(1)
+        )
         self._reset_sim()
         # A soft reset keeps the gripper's speed-limited command from the last episode;
         # a hard reset (and a fresh env) starts it at 0. Zero it so an episode does not
