@@ -83,13 +83,17 @@ def sample_chunk(
     sigmas = sigma_schedule(K, shift).to(device)
     if x0 is None:
         x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator).to(device)
+    if a > 0 and K < 2:
+        raise ValueError(f"a > 0 needs K >= 2 (k* lies in 1..K-1, sigma_0 = 1), got K = {K}")
     if k_star is None:
         k_star = (
             torch.randint(1, K, (batch,), generator=generator)
-            if a > 0 and K > 1
+            if a > 0
             else torch.zeros(batch, dtype=torch.long)
         )
     k_star = k_star.to(device=device, dtype=torch.long)
+    if a > 0 and bool(((k_star < 1) | (k_star > K - 1)).any()):
+        raise ValueError(f"k* must lie in 1..{K - 1}, got {k_star.tolist()}")
     x = x0.float()
     chain = [x]
     logp = torch.zeros(batch, dtype=torch.float32, device=device)

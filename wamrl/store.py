@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
+
+# Snakemake drops a `.snakemake_timestamp` file into every directory output (a store here);
+# it is not part of the hierarchy and zarr's warning about it would only be noise.
+warnings.filterwarnings("ignore", message=r"Object at \.snakemake_timestamp", category=UserWarning)
 
 SCHEMA_VERSION = 1
 # Same values as wamrl.policy.base (checked by tests/test_store.py); not imported from
