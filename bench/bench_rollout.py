@@ -1,0 +1,128 @@
+"""Rollout throughput against the env-only limit, in one run on the same env processes.
+
+    python bench/bench_rollout.py --envs 2 --episodes 4 --macro-steps 4
+    python bench/bench_rollout.py --envs 16 --device cuda      # the GPU box (issue #7)
+
+Both modes run the same episodes (one task, init states 0, 1, ...) on one EnvPool whose
+processes are created and warmed up first, and render exactly the same frames (query
+image, +4 / +8 frames). "env only" answers every query at once with the hold-still action:
+the rate the CPU cores allow. "policy" answers with the mixed ODE/SDE sampler over the
+tiny model (prefill + K steps, batched over every waiting env), as the rollout stage does.
+The ratio policy / env-only is what the policy costs; 1.0 means it costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def env_only(pool, specs, max_macro_steps: int) -> int:
+    """Drive the pool with the hold-still action; returns env steps taken."""
+    from wamrl.envs.conventions import DUMMY_ACTION
+    from wamrl.envs.pool import Crashed, Query, StepResult
+
+    hold = np.repeat(DUMMY_ACTION[None], pool.replan, 0)
+    todo, running, steps = list(specs)[::-1], 0, 0
+    for slot in range(min(len(pool), len(todo))):
+        s = todo.pop()
+        pool.start_episode(slot, s.task, s.init_state, s.record_video, max_macro_steps)
+        running += 1
+    while running:
+        for ev in pool.poll(timeout=None):
+            if isinstance(ev, Query):
+                pool.send_chunk(ev.slot, hold)
+            elif isinstance(ev, StepResult | Crashed):
+                steps += getattr(ev, "env_steps", 0)
+                if isinstance(ev, Crashed) or ev.done:
+                    running -= 1
+                    if todo:
+                        s = todo.pop()
+                        pool.start_episode(
+                            ev.slot, s.task, s.init_state, s.record_video, max_macro_steps
+                        )
+                        running += 1
+    return steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--envs", type=int, default=2)
+    p.add_argument("--episodes", type=int, default=4)
+    p.add_argument("--macro-steps", type=int, default=4, help="chunks of 10 env steps each")
+    p.add_argument("--task", type=int, default=0, help="task index 0..39")
+    p.add_argument("--K", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in the policy process")
+    p.add_argument("--mujoco-gl", default=os.environ.get("MUJOCO_GL", "egl"))
+    args = p.parse_args()
+
+    from wamrl.config import load_config
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.pool import EnvPool
+    from wamrl.envs.tasks import load_tasks
+    from wamrl.policy import build_policy
+    from wamrl.policy.text import encode_texts
+    from wamrl.rollout import EpisodeSpec, SamplerSettings, run_episodes
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(overrides={"env.mujoco_gl": args.mujoco_gl})
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    policy = build_policy(cfg).to(device).eval()
+    tasks = load_tasks()
+    task = tasks[args.task]
+    context, mask = encode_texts([t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"])
+    stats = REPO / cfg["policy"]["stats"]
+    normalizer = Normalizer.load(stats)
+    specs = [EpisodeSpec(task, i % task.n_init_states, i) for i in range(args.episodes)]
+    sampler = SamplerSettings(args.K, cfg["sampler"]["noise_a"], cfg["sampler"]["shift"])
+    console = Console()
+
+    def policy_run() -> int:
+        out = run_episodes(
+            policy, pool, specs, context.to(device), mask.to(device), normalizer, sampler,
+            args.macro_steps, seed=0, on_episode=lambda i, d: None, device=device,
+            description="policy",
+        )  # fmt: skip
+        return int(out["env_steps"])
+
+    with EnvPool(args.envs, stats, dict(cfg["env"])) as pool:
+        warm = [EpisodeSpec(task, 0, 0)] * args.envs
+        env_only(pool, warm, 1)  # create the env in every process before timing
+        rows = []
+        for name, fn in (
+            ("env only", lambda: env_only(pool, specs, args.macro_steps)),
+            ("policy", policy_run),
+        ):
+            t0 = time.perf_counter()
+            steps = fn()
+            rows.append((name, steps, time.perf_counter() - t0))
+
+    table = Table(
+        title=f"rollout throughput: {args.envs} envs, {args.episodes} episodes x "
+        f"{args.macro_steps} macro-steps, task {task.index}, K={args.K}, {args.device}"
+    )
+    for col in ("mode", "env steps", "wall s", "env steps/s", "episodes/h", "vs env only"):
+        table.add_column(col, justify="right")
+    base = rows[0][1] / rows[0][2]
+    for name, steps, wall in rows:
+        rate = steps / wall
+        eph = args.episodes / wall * 3600
+        table.add_row(
+            name, str(steps), f"{wall:.2f}", f"{rate:.1f}", f"{eph:.0f}", f"{rate / base:.3f}"
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
