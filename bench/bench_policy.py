@@ -1,0 +1,168 @@
+"""Policy query latency and throughput of the tiny backend (not a test).
+
+    python bench/bench_policy.py                          # batch 1 and 16, K 8, 2 threads, CPU
+    python bench/bench_policy.py --batch 16 --threads 2 --repeats 50
+    python bench/bench_policy.py --video-dim 64 --layers 2  # other model dims
+    python bench/bench_policy.py --device cuda            # where a GPU is available
+
+A query is what the rollout does once per macro-step for a batch of envs: prefill the
+first-frame K/V cache (image autoencoder + video expert on one frame), then K denoising
+steps of the action expert with the mixed ODE/SDE sampler (sample_chunk, a = 0.5). Model
+dims default to configs/default.yaml's policy.tiny (and world_model.lora_rank); weights are
+random (latency does not depend on them). The table also splits the query into its parts:
+the autoencoder's encode, the whole prefill, and one velocity step, so it says which is slow.
+Throughput: queries/s counts batched calls; env-queries/s = batch x calls/s; env-actions/s =
+env-queries/s x env.replan_steps (10 by default: a chunk drives 10 env steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from wamrl.config import load_config
+from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs
+from wamrl.policy.tiny import TinyWAM, build_tiny
+from wamrl.sampler import sample_chunk
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Wall-clock milliseconds of `repeats` calls of fn after `warmup` untimed calls."""
+    out = []
+    for i in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10, method="inclusive")[-1] if len(xs) > 1 else xs[0]
+
+
+def random_obs(model: TinyWAM, batch: int, text_len: int, device: torch.device) -> Obs:
+    g = torch.Generator().manual_seed(0)
+    return Obs(
+        image=torch.rand(batch, 3, 224, 448, generator=g) * 2 - 1,
+        proprio=torch.rand(batch, PROPRIO_DIM, generator=g) * 2 - 1,
+        context=torch.randn(batch, text_len, model.cfg.text_dim, generator=g),
+        context_mask=torch.ones(batch, text_len, dtype=torch.bool),
+    ).to(device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="envs per query")
+    p.add_argument("--K", type=int, default=None, help="denoising steps (default sampler.K)")
+    p.add_argument(
+        "--a", type=float, default=None, help="SDE noise level (default sampler.noise_a)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--config", nargs="*", default=[], help="YAML files over default.yaml")
+    for key in ("video_dim", "action_dim", "layers", "heads", "head_dim", "latent_channels"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key)
+    p.add_argument("--lora-rank", type=int, default=None)
+    args = p.parse_args()
+
+    overrides: dict[str, object] = {}
+    for key in ("video_dim", "action_dim", "layers", "heads", "head_dim", "latent_channels"):
+        if getattr(args, key) is not None:
+            overrides[f"policy.tiny.{key}"] = getattr(args, key)
+    if args.lora_rank is not None:
+        overrides["world_model.lora_rank"] = args.lora_rank
+    cfg = load_config(args.config, overrides)
+    K = args.K if args.K is not None else int(cfg["sampler"]["K"])
+    a = args.a if args.a is not None else float(cfg["sampler"]["noise_a"])
+    shift = float(cfg["sampler"]["shift"])
+    replan = int(cfg["env"]["replan_steps"])
+    text_len = int(cfg["policy"]["tiny"]["text_max_len"])
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available here")
+    torch.manual_seed(0)
+    model = build_tiny(cfg).to(device).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+
+    console = Console()
+    tc = model.cfg
+    console.print(
+        f"tiny: video_dim {tc.video_dim}, action_dim {tc.action_dim}, layers {tc.layers}, "
+        f"heads {tc.heads} x {tc.head_dim}, latent_channels {tc.latent_channels}, "
+        f"lora_rank {tc.lora_rank}, text {text_len} x {tc.text_dim}; {n_params / 1e6:.2f} M params"
+    )
+    console.print(
+        f"device {device}, threads {torch.get_num_threads()}, K {K}, a {a}, shift {shift}, "
+        f"repeats {args.repeats} (+{args.warmup} warm-up), torch {torch.__version__}"
+    )
+
+    table = Table(title="policy query = prefill + K denoising steps (sample_chunk)")
+    for col in (
+        "batch",
+        "query ms (median)",
+        "query ms (p90)",
+        "AE encode ms",
+        "prefill ms",
+        "velocity ms / step",
+        "K x velocity ms",
+        "queries/s",
+        "env-queries/s",
+        "env-actions/s",
+    ):
+        table.add_column(col, justify="right")
+
+    for b in args.batch:
+        obs = random_obs(model, b, text_len, device)
+        gen = torch.Generator().manual_seed(1)
+        with torch.inference_mode():
+            cache = model.prefill(obs)
+            x = torch.randn(b, CHUNK_LEN, ACTION_DIM, device=device)
+            sigma = torch.full((b,), 0.5, device=device)
+
+            def query(obs=obs, b=b, gen=gen) -> None:
+                sample_chunk(model, model.prefill(obs), b, K, a, shift, gen)
+
+            q = timed(query, device, args.warmup, args.repeats)
+            enc = timed(lambda obs=obs: model.ae.encode(obs.image), device, 1, args.repeats)
+            pre = timed(lambda obs=obs: model.prefill(obs), device, 1, args.repeats)
+            vel = timed(
+                lambda c=cache, x=x, s=sigma: model.velocity(c, x, s),
+                device,
+                1,
+                max(args.repeats, 3 * K),
+            )
+        med = statistics.median(q)
+        calls = 1e3 / med
+        v_med = statistics.median(vel)
+        table.add_row(
+            str(b),
+            f"{med:.1f}",
+            f"{p90(q):.1f}",
+            f"{statistics.median(enc):.1f}",
+            f"{statistics.median(pre):.1f}",
+            f"{v_med:.2f}",
+            f"{K * v_med:.1f}",
+            f"{calls:.1f}",
+            f"{b * calls:.1f}",
+            f"{b * calls * replan:.0f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
