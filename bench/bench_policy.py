@@ -31,6 +31,8 @@ from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs
 from wamrl.policy.tiny import TinyWAM, build_tiny
 from wamrl.sampler import sample_chunk
 
+DIMS = ("video_dim", "action_dim", "layers", "heads", "head_dim", "latent_channels", "ffn_mult")
+
 
 def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
     """Wall-clock milliseconds of `repeats` calls of fn after `warmup` untimed calls."""
@@ -73,13 +75,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--config", nargs="*", default=[], help="YAML files over default.yaml")
-    for key in ("video_dim", "action_dim", "layers", "heads", "head_dim", "latent_channels"):
+    for key in DIMS:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key)
     p.add_argument("--lora-rank", type=int, default=None)
     args = p.parse_args()
 
     overrides: dict[str, object] = {}
-    for key in ("video_dim", "action_dim", "layers", "heads", "head_dim", "latent_channels"):
+    for key in DIMS:
         if getattr(args, key) is not None:
             overrides[f"policy.tiny.{key}"] = getattr(args, key)
     if args.lora_rank is not None:
@@ -103,6 +105,7 @@ def main() -> None:
     tc = model.cfg
     console.print(
         f"tiny: video_dim {tc.video_dim}, action_dim {tc.action_dim}, layers {tc.layers}, "
+        f"ffn x{tc.ffn_mult}, "
         f"heads {tc.heads} x {tc.head_dim}, latent_channels {tc.latent_channels}, "
         f"lora_rank {tc.lora_rank}, text {text_len} x {tc.text_dim}; {n_params / 1e6:.2f} M params"
     )

@@ -237,6 +237,40 @@ def test_lora_at_init_changes_no_output() -> None:
     assert (changed[-2] - without[-2]).abs().max() > 1e-4  # video velocity
 
 
+def test_inference_shortcuts_equal_the_autograd_path() -> None:
+    """Without autograd, LoRA runs as one folded weight and velocity() reuses the action
+    expert's context K/V across steps; both must give the autograd path's numbers, and
+    follow weight updates (folded weights are re-made when a tensor's version changes)."""
+    model, obs = make_model(), make_obs()
+    x, sigma = noisy_actions()
+
+    def with_grad() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = model.prefill(obs)
+        return cache.k[-1].detach(), model.velocity(cache, x, sigma).detach()
+
+    def without_grad() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            cache = model.prefill(obs)
+            first = model.velocity(cache, x, sigma)
+            assert cache.action_ctx_kv is not None  # kept for the next denoising step
+            again = model.velocity(cache, x, sigma)
+        assert torch.equal(first, again)
+        return cache.k[-1], again
+
+    for _ in range(2):  # after an optimiser-style in-place update too
+        for a, b in zip(with_grad(), without_grad(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        with torch.no_grad():
+            model.video_blocks[-1].qkv.lora_b.add_(0.2)
+            model.action_blocks[0].cross_kv.weight.mul_(1.5)
+    cache = model.prefill(obs)
+    with torch.no_grad():
+        model.velocity(cache, x, sigma)  # fills the no-grad K/V memo...
+    v = model.velocity(cache, x, sigma)  # ...which the autograd path must not use
+    v.sum().backward()
+    assert model.action_blocks[0].cross_kv.weight.grad is not None
+
+
 def test_parameter_groups() -> None:
     model = make_model()
     groups = model.parameter_groups()

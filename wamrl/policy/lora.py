@@ -1,10 +1,16 @@
-"""LoRA for nn.Linear: y = W x + (alpha / r) B A x, with B = 0 at init (no output change)."""
+"""LoRA for nn.Linear: y = W x + (alpha / r) B A x, with B = 0 at init (no output change).
+
+Without autograd (rollout, eval, reward) the update is folded into one weight,
+W + (alpha / r) B A, kept until any of W, A, B changes (tracked by their version counters):
+a rank-64 side path would otherwise cost about half the video expert's matmuls again.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -18,7 +24,23 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
 
+        self._folded: tuple[tuple[int, ...], Tensor] | None = None
+
+    def _versions(self) -> tuple[int, ...]:
+        w, a, b = self.base.weight, self.lora_a, self.lora_b
+        return (w._version, a._version, b._version, w.data_ptr(), a.data_ptr(), b.data_ptr())
+
+    def folded_weight(self) -> Tensor:
+        key = self._versions()
+        if self._folded is None or self._folded[0] != key:
+            with torch.no_grad():
+                w = self.base.weight + (self.lora_b @ self.lora_a) * self.scale
+            self._folded = (key, w)
+        return self._folded[1]
+
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            return F.linear(x, self.folded_weight(), self.base.bias)
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
 
 

@@ -46,6 +46,7 @@ class TinyConfig:
     heads: int = 4
     head_dim: int = 32
     latent_channels: int = 16
+    ffn_mult: int = 4  # FFN hidden = ffn_mult x dim
     text_dim: int = 384
     text_max_len: int = 32
     lora_rank: int = 8
@@ -59,16 +60,17 @@ def shifted_sigma(u: Tensor, shift: float = SHIFT) -> Tensor:
 
 
 class AutoEncoder(nn.Module):
-    """Pixels [-1, 1] [B, 3, 224, 448] <-> latents [B, C, 14, 28] (four stride-2 stages)."""
+    """Pixels [-1, 1] [B, 3, 224, 448] <-> latents [B, C, 14, 28] (16x down and up)."""
 
     def __init__(self, c: int):
         super().__init__()
         w = (16, 32, 64)
+        # The encoder runs in every query: an 8x8 patch stem and one 2x2 stage cost ~41
+        # MFLOP per image, a sixth of four stride-2 4x4 stages. Decoding runs only in the
+        # reward's imagination, so the decoder keeps the smoother four-stage upsampling.
         self.enc = nn.Sequential(
-            nn.Conv2d(3, w[0], 4, 2, 1), nn.SiLU(),
-            nn.Conv2d(w[0], w[1], 4, 2, 1), nn.SiLU(),
-            nn.Conv2d(w[1], w[2], 4, 2, 1), nn.SiLU(),
-            nn.Conv2d(w[2], c, 4, 2, 1),
+            nn.Conv2d(3, w[2], 8, 8), nn.SiLU(),
+            nn.Conv2d(w[2], c, 2, 2),
         )  # fmt: skip
         self.dec = nn.Sequential(
             nn.ConvTranspose2d(c, w[2], 4, 2, 1), nn.SiLU(),
@@ -98,10 +100,15 @@ def rope_angles(pos: Tensor, dim: int) -> Tensor:
     return pos.float()[:, None] * freqs[None]
 
 
-def apply_rope(x: Tensor, angles: Tensor) -> Tensor:
-    """x [B, H, N, D], angles [N, D/2]: rotate consecutive pairs."""
+def rotation(angles: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of RoPE angles, computed once per forward and shared by every layer."""
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
+    """x [B, H, N, D], rot = rotation(angles [N, D/2]): rotate consecutive pairs."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = rot
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
     return out.flatten(-2)
 
@@ -129,7 +136,7 @@ def video_rope(frames: int, head_dim: int, device: torch.device) -> Tensor:
 class ExpertBlock(nn.Module):
     """One expert's half of a layer: its q/k/v, output projection, text cross-attention, FFN."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, ctx_dim: int):
+    def __init__(self, dim: int, heads: int, head_dim: int, ctx_dim: int, ffn_mult: int):
         super().__init__()
         inner = heads * head_dim
         self.heads, self.head_dim = heads, head_dim
@@ -141,22 +148,34 @@ class ExpertBlock(nn.Module):
         self.cross_kv = nn.Linear(ctx_dim, 2 * inner)
         self.cross_out = nn.Linear(inner, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.ffn = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        hidden = ffn_mult * dim
+        self.ffn = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
     def split(self, t: Tensor) -> Tensor:  # [B, N, H*D] -> [B, H, N, D]
         b, n, _ = t.shape
         return t.view(b, n, self.heads, self.head_dim).transpose(1, 2)
 
-    def qkv_heads(self, x: Tensor, angles: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv_heads(self, x: Tensor, rot: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(self.norm1(x)).chunk(3, -1)
-        return apply_rope(self.split(q), angles), apply_rope(self.split(k), angles), self.split(v)
+        return apply_rope(self.split(q), rot), apply_rope(self.split(k), rot), self.split(v)
 
-    def finish(self, x: Tensor, attn: Tensor, ctx: Tensor, ctx_mask: Tensor) -> Tensor:
-        """Residual after the joint attention, then cross-attention to the context, then FFN."""
+    def context_kv(self, ctx: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.cross_kv(ctx).chunk(2, -1)
+        return self.split(k), self.split(v)
+
+    def finish(
+        self,
+        x: Tensor,
+        attn: Tensor,
+        ctx: Tensor | tuple[Tensor, Tensor],
+        ctx_mask: Tensor,
+    ) -> Tensor:
+        """Residual after the joint attention, then cross-attention to the context (raw
+        tokens, or their K/V from context_kv), then FFN."""
         b, _, n, _ = attn.shape
         x = x + self.out(attn.transpose(1, 2).reshape(b, n, -1))
         q = self.split(self.cross_q(self.norm_x(x)))
-        k, v = (self.split(t) for t in self.cross_kv(ctx).chunk(2, -1))
+        k, v = self.context_kv(ctx) if isinstance(ctx, Tensor) else ctx
         c = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask[:, None, None, :])
         x = x + self.cross_out(c.transpose(1, 2).reshape(b, n, -1))
         return x + self.ffn(self.norm2(x))
@@ -171,6 +190,10 @@ class Cache:
     context: Tensor  # [B, L, Dc]
     context_mask: Tensor  # [B, L]
     proprio: Tensor  # [B, 8]
+    # The action expert's cross-attention K/V of context + proprio token, per layer. They
+    # are the same at every denoising step; velocity() fills this in only without autograd
+    # (the rollout), so the actor's gradient still reaches cross_kv and the proprio encoder.
+    action_ctx_kv: list[tuple[Tensor, Tensor]] | None = None
 
 
 # ----------------------------------------------------------------------------- the model
@@ -188,7 +211,8 @@ class TinyWAM(Policy):
         self.video_in = nn.Linear(4 * c, dv)
         self.video_time = nn.Sequential(nn.Linear(64, dv), nn.SiLU(), nn.Linear(dv, dv))
         self.video_blocks = nn.ModuleList(
-            ExpertBlock(dv, cfg.heads, cfg.head_dim, cfg.text_dim) for _ in range(cfg.layers)
+            ExpertBlock(dv, cfg.heads, cfg.head_dim, cfg.text_dim, cfg.ffn_mult)
+            for _ in range(cfg.layers)
         )
         self.video_norm = nn.LayerNorm(dv)
         self.video_outp = nn.Linear(dv, 4 * c)
@@ -197,7 +221,8 @@ class TinyWAM(Policy):
         self.action_time = nn.Sequential(nn.Linear(64, da), nn.SiLU(), nn.Linear(da, da))
         self.action_pos = nn.Parameter(torch.zeros(CHUNK_LEN, da))
         self.action_blocks = nn.ModuleList(
-            ExpertBlock(da, cfg.heads, cfg.head_dim, cfg.text_dim) for _ in range(cfg.layers)
+            ExpertBlock(da, cfg.heads, cfg.head_dim, cfg.text_dim, cfg.ffn_mult)
+            for _ in range(cfg.layers)
         )
         self.action_norm = nn.LayerNorm(da)
         self.action_outp = nn.Linear(da, ACTION_DIM)
@@ -265,11 +290,11 @@ class TinyWAM(Policy):
             frames = z.shape[1]
             hv = self.video_tokens(z, sigma_frames)
             nv = hv.shape[1]
-            ang_v = video_rope(frames, self.cfg.head_dim, dev)
+            ang_v = rotation(video_rope(frames, self.cfg.head_dim, dev))
         if x is not None:
             ha = self.action_tokens(x, sigma_action)
             na = CHUNK_LEN
-            ang_a = rope_angles(torch.arange(CHUNK_LEN, device=dev), self.cfg.head_dim)
+            ang_a = rotation(rope_angles(torch.arange(CHUNK_LEN, device=dev), self.cfg.head_dim))
             actx, amask = self.action_context(context, context_mask, proprio)
         mask = fastwam_mask(nv, na, dev)
         for vb, ab in zip(self.video_blocks, self.action_blocks, strict=True):
@@ -300,7 +325,7 @@ class TinyWAM(Policy):
         z = self.ae.encode(obs.image)[:, None]  # [B, 1, C, 14, 28]
         b = z.shape[0]
         h = self.video_tokens(z, torch.zeros(b, 1, device=z.device))
-        ang = video_rope(1, self.cfg.head_dim, z.device)
+        ang = rotation(video_rope(1, self.cfg.head_dim, z.device))
         ks, vs = [], []
         for vb in self.video_blocks:
             q, k, v = vb.qkv_heads(h, ang)
@@ -312,14 +337,20 @@ class TinyWAM(Policy):
 
     def velocity(self, cache: Cache, x: Tensor, sigma: Tensor) -> Tensor:
         ha = self.action_tokens(x, sigma.expand(x.shape[0]))
-        ang = rope_angles(torch.arange(CHUNK_LEN, device=x.device), self.cfg.head_dim)
+        ang = rotation(rope_angles(torch.arange(CHUNK_LEN, device=x.device), self.cfg.head_dim))
         actx, amask = self.action_context(cache.context, cache.context_mask, cache.proprio)
+        if torch.is_grad_enabled():
+            ctx_kv = [ab.context_kv(actx) for ab in self.action_blocks]
+        else:
+            if cache.action_ctx_kv is None:
+                cache.action_ctx_kv = [ab.context_kv(actx) for ab in self.action_blocks]
+            ctx_kv = cache.action_ctx_kv
         for layer, ab in enumerate(self.action_blocks):
             q, k, v = ab.qkv_heads(ha, ang)
             k = torch.cat([cache.k[layer], k], 2)
             v = torch.cat([cache.v[layer], v], 2)
             att = F.scaled_dot_product_attention(q, k, v)  # actions see first frame + actions
-            ha = ab.finish(ha, att, actx, amask)
+            ha = ab.finish(ha, att, ctx_kv[layer], amask)
         return self.action_outp(self.action_norm(ha))
 
     def imagine(
@@ -428,6 +459,7 @@ def build_tiny(cfg: dict[str, Any]) -> TinyWAM:
             heads=t["heads"],
             head_dim=t["head_dim"],
             latent_channels=t["latent_channels"],
+            ffn_mult=t["ffn_mult"],
             text_max_len=t["text_max_len"],
             lora_rank=cfg["world_model"]["lora_rank"],
         )
