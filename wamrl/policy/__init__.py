@@ -14,9 +14,10 @@ __all__ = ["Obs", "Policy", "build_policy", "load_policy"]
 
 
 def _backends() -> dict[str, type[Policy]]:
+    from wamrl.policy.fastwam import FastWAMPolicy
     from wamrl.policy.tiny import TinyWAM
 
-    return {"tiny": TinyWAM}
+    return {"tiny": TinyWAM, "fastwam": FastWAMPolicy}
 
 
 def build_policy(cfg: dict[str, Any]) -> Policy:
@@ -25,6 +26,10 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         from wamrl.policy.tiny import build_tiny
 
         return build_tiny(cfg)
+    if backend == "fastwam":
+        from wamrl.policy.fastwam import build_fastwam
+
+        return build_fastwam(cfg)
     raise ValueError(f"policy.backend: unknown backend {backend!r}; known: {sorted(_backends())}")
 
 
