@@ -509,17 +509,19 @@ def test_conventions_match_official_eval_preprocessing(ns):
     assert np.allclose(env_actions(chunk, ours, replan=10), ref_a[:10], atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="wamrl.envs.conventions.Normalizer reads 'min'/'max'; the release's dataset_stats "
-    "json (written by fastwam's base_lerobot_dataset) carries 'global_min'/'global_max'",
-)
 def test_normalizer_reads_the_official_stats_format(tmp_path):
+    """The release's dataset_stats json names the range global_min / global_max."""
     from wamrl.envs.conventions import Normalizer
 
+    stats = _official_stats(np.random.default_rng(0))
     path = tmp_path / "dataset_stats.json"
-    path.write_text(json.dumps(_official_stats(np.random.default_rng(0))))
-    Normalizer.load(path)
+    path.write_text(json.dumps(stats))
+    norm = Normalizer.load(path)
+    lo = np.asarray(stats["state"]["default"]["global_min"])
+    hi = np.asarray(stats["state"]["default"]["global_max"])
+    np.testing.assert_allclose(norm.normalize_state(lo), -1.0, atol=1e-6)
+    np.testing.assert_allclose(norm.normalize_state(hi), 1.0, atol=1e-6)
+    np.testing.assert_allclose(norm.normalize_state((lo + hi) / 2), 0.0, atol=1e-6)
 
 
 def test_prompt_template_is_the_official_one():

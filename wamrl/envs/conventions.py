@@ -109,7 +109,11 @@ def _pick(section: dict[str, Any], kind: str, key: str | None) -> tuple[str, _Mi
             raise ValueError(f"stats[{kind!r}] has keys {sorted(section)}; pass which one to use")
         key = next(iter(section))
     entry = section[key]
-    low, high = np.asarray(entry["min"], np.float64), np.asarray(entry["max"], np.float64)
+    # Fast-WAM's released stats files name them global_min / global_max.
+    lo, hi = ("min", "max") if "min" in entry else ("global_min", "global_max")
+    if lo not in entry or hi not in entry:
+        raise ValueError(f"stats[{kind!r}][{key!r}]: no min/max (or global_min/global_max)")
+    low, high = np.asarray(entry[lo], np.float64), np.asarray(entry[hi], np.float64)
     if low.shape != high.shape or low.ndim != 1 or np.any(high < low):
         raise ValueError(f"stats[{kind!r}][{key!r}]: bad min/max {low} {high}")
     return key, _MinMax(low, high)

@@ -34,7 +34,10 @@ class LoRALinear(nn.Module):
         key = self._versions()
         if self._folded is None or self._folded[0] != key:
             with torch.no_grad():
-                w = self.base.weight + (self.lora_b @ self.lora_a) * self.scale
+                # B = 0 (fresh, or just merged) is W itself: no second copy of a big weight.
+                w = self.base.weight
+                if bool(self.lora_b.any()):
+                    w = w + (self.lora_b @ self.lora_a) * self.scale
             self._folded = (key, w)
         return self._folded[1]
 
