@@ -55,10 +55,33 @@ rule all:
 
 
 rule init:
+    input:
+        # policy.base_checkpoint: sft trains the base here first (demos -> sft).
+        ["sft/policy"] if CFG["policy"]["base_checkpoint"] == "sft" else [],
     output:
         directory("iter_000/policy"),
     shell:
         "{WAMRL} init --run-dir ."
+
+
+rule demos:
+    output:
+        directory("demos/shard_{w}.zarr"),
+    threads: 1
+    shell:
+        "{WAMRL} demos --worker {wildcards.w} --run-dir ."
+
+
+rule sft:
+    input:
+        expand("demos/shard_{w:03d}.zarr", w=range(CFG["demos"]["workers"])),
+    output:
+        directory("sft/policy"),
+        "sft/log.json",
+    resources:
+        gpu=GPU,
+    shell:
+        "{WAMRL} sft --run-dir ."
 
 
 rule rollout:

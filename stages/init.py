@@ -3,6 +3,10 @@
 Output iter_000/policy/: model.safetensors + policy.yaml (the backend), context.safetensors
 (each of the 40 tasks' text context, computed once so rollout workers never load a text
 encoder), stats.json (normalisation statistics), checkpoint.json (sha256, provenance).
+
+policy.base_checkpoint: null = a fresh random model; `sft` = this run's sft/policy (the
+SFT stage's output); else a policy directory (e.g. data/base_policy). A base directory's
+own stats.json wins over policy.stats: a model is tied to the normalisation it learnt.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
 
     if iteration != 0:
         raise ValueError("init builds iteration 0 only")
-    stats = resolve_path(cfg["policy"]["stats"])
-    Normalizer.load(stats)  # a missing or malformed stats file fails here, before any work
     base = cfg["policy"]["base_checkpoint"]
+    base_dir = None
     if base is not None:
-        base_dir = resolve_path(base)
+        base_dir = Path(run_dir) / "sft" / "policy" if base == "sft" else resolve_path(base)
+    stats = resolve_path(cfg["policy"]["stats"])
+    if base_dir is not None and (base_dir / "stats.json").is_file():
+        stats = base_dir / "stats.json"
+    Normalizer.load(stats)  # a missing or malformed stats file fails here, before any work
+    if base_dir is not None:
         if not (base_dir / "model.safetensors").is_file():
             raise FileNotFoundError(f"policy.base_checkpoint: no model.safetensors in {base_dir}")
         policy = load_policy(base_dir)
@@ -44,7 +52,14 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
         source = {"base_checkpoint": None, "random_init_seed": cfg["seed"]}
 
     tasks = load_tasks()
-    context, mask = encode_texts([t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"])
+    if cfg["policy"]["backend"] == "fastwam":  # umT5 contexts, Fast-WAM's prompt template
+        from stages.context import task_contexts
+
+        context, mask = task_contexts(cfg, run_dir, tasks)
+    else:
+        context, mask = encode_texts(
+            [t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"]
+        )
     with atomic_dir(paths.policy_dir(run_dir, 0)) as tmp:
         policy.save(tmp)
         save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)

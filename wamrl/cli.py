@@ -1,5 +1,7 @@
 """`wamrl`: every pipeline stage as a command, with the arguments Snakemake passes.
 
+    wamrl demos --worker 0              scripted-expert demonstrations -> demos/shard_000.zarr
+    wamrl sft                           SFT on the demos -> sft/policy
     wamrl init                          iteration 0: base policy + task contexts
     wamrl rollout --iter 3 --worker 0   one rollout shard
     wamrl reward  --iter 3              imagined-future rewards, returns, advantages
@@ -58,6 +60,23 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, **kwargs: Any) -> 
 def init(run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
     """Iteration 0: base checkpoint, per-task text contexts, statistics."""
     run_stage("init", resolve(run_dir, configfile, set), run_dir, iteration=0)
+
+
+@app.command()
+def demos(
+    worker: Annotated[int, typer.Option("--worker", "-w", min=0)] = 0,
+    run_dir: RunDir = Path("."),
+    configfile: ConfigFiles = None,
+    set: Sets = None,
+) -> None:
+    """One shard of scripted-expert demonstrations -> demos/shard_{w}.zarr."""
+    run_stage("demos", resolve(run_dir, configfile, set), run_dir, worker=worker)
+
+
+@app.command()
+def sft(run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
+    """Supervised fine-tuning on demos/ -> sft/policy (a base for policy.base_checkpoint: sft)."""
+    run_stage("sft", resolve(run_dir, configfile, set), run_dir)
 
 
 @app.command()

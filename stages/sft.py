@@ -1,0 +1,64 @@
+"""SFT stage: demos/shard_*.zarr -> sft/policy (a complete policy checkpoint) + sft/log.json.
+
+Statistics in Fast-WAM's format are computed from the demonstrations and go with the
+checkpoint (stats.json): the policy's normalisation is the one it was trained with.
+The `init` rule starts from this checkpoint when policy.base_checkpoint is `sft`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wamrl.atomic import atomic_dir, sha256_file, write_json
+
+
+def main(cfg: dict[str, Any], run_dir: Path) -> None:
+    from wamrl.demos import demo_stats, load_demos
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.tasks import load_tasks
+    from wamrl.policy import build_policy
+    from wamrl.policy.text import encode_texts, save_contexts
+    from wamrl.rollout import progress_bar
+    from wamrl.runtime import pick_device
+    from wamrl.sft import Batches, train
+
+    run_dir = Path(run_dir)
+    shards = [run_dir / "demos" / f"shard_{w:03d}.zarr" for w in range(cfg["demos"]["workers"])]
+    missing = [str(p) for p in shards if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"sft: demo stores missing: {missing}")
+    t0 = time.perf_counter()
+    demos = load_demos(shards)  # a half-written or foreign store fails here
+    stats = demo_stats(demos)
+    norm = Normalizer(stats)
+    tasks = load_tasks()
+    context, mask = encode_texts([t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"])
+    device = pick_device(cfg)
+    torch.manual_seed(cfg["seed"])
+    policy = build_policy(cfg).to(device)
+    batches = Batches(demos, norm, context, mask, device)
+    with progress_bar() as bar:
+        log = train(policy, batches, cfg["sft"], cfg["seed"], progress=bar)
+    out = run_dir / "sft" / "policy"
+    with atomic_dir(out) as tmp:
+        policy.to("cpu").save(tmp)
+        save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)
+        write_json(tmp / "stats.json", stats)
+        write_json(
+            tmp / "checkpoint.json",
+            {
+                "sha256": sha256_file(tmp / "model.safetensors"),
+                "source": "sft",
+                "demo_episodes": len(demos),
+                "demo_stores": [str(p) for p in shards],
+                "config": cfg,
+            },
+        )
+    write_json(
+        run_dir / "sft" / "log.json",
+        {"wall_time_s": time.perf_counter() - t0, "episodes": len(demos), "log": log},
+    )

@@ -1,0 +1,166 @@
+"""Demo store, 10-of-32 chunking, statistics and SFT batches/updates (wamrl.demos, wamrl.sft)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from wamrl.demos import (
+    CHUNK,
+    Demo,
+    DemoSet,
+    action_chunk,
+    demo_stats,
+    load_demos,
+    n_frames,
+    n_queries,
+    rendered_steps,
+    write_demo_store,
+)
+from wamrl.envs.conventions import Normalizer
+from wamrl.policy.tiny import TinyConfig, TinyWAM
+from wamrl.sft import Batches, lr_at, train
+from wamrl.store import StoreError
+
+
+def fake_demo(task: int, length: int, seed: int) -> Demo:
+    rng = np.random.default_rng(seed)
+    return Demo(
+        task=task,
+        init_state=seed,
+        state=rng.normal(size=(length, 8)).astype(np.float32),
+        action=np.concatenate(
+            [rng.uniform(-1, 1, (length, 6)), rng.integers(0, 2, (length, 1))], 1
+        ).astype(np.float32),
+        images=rng.integers(0, 256, (n_queries(length), 224, 448, 3), dtype=np.uint8),
+        frames=rng.integers(0, 256, (n_frames(length), 224, 448, 3), dtype=np.uint8),
+    )
+
+
+def test_chunking_counts() -> None:
+    assert [n_queries(n) for n in (1, 10, 11, 25)] == [1, 1, 2, 3]  # queries at 0, 10, 20
+    assert [n_frames(n) for n in (1, 4, 7, 8)] == [1, 2, 2, 3]  # frames at 0, 4, 8 <= L
+    assert rendered_steps(12) == {0, 4, 8, 10, 12}
+
+
+def test_action_chunk_holds_still_past_the_end() -> None:
+    action = np.arange(40 * 7, dtype=np.float32).reshape(40, 7)
+    np.testing.assert_array_equal(action_chunk(action, 0), action[:32])
+    tail = action_chunk(action, 30)
+    assert tail.shape == (CHUNK, 7)
+    np.testing.assert_array_equal(tail[:10], action[30:40])
+    np.testing.assert_array_equal(tail[10:, :6], 0.0)  # no motion
+    np.testing.assert_array_equal(tail[10:, 6], action[-1, 6])  # the last gripper command
+
+
+def test_store_round_trip_and_stats(tmp_path) -> None:
+    demos = [fake_demo(3, 23, 0), fake_demo(7, 9, 1)]
+    path = tmp_path / "demos" / "shard_000.zarr"
+    write_demo_store(path, demos, {"worker": 0})
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp left
+    loaded = load_demos([path])
+    assert loaded.task.tolist() == [3, 7] and loaded.length.tolist() == [23, 9]
+    for d, s, a, im, fr in zip(
+        demos, loaded.state, loaded.action, loaded.images, loaded.frames, strict=True
+    ):
+        np.testing.assert_array_equal(s, d.state)
+        np.testing.assert_array_equal(a, d.action)
+        np.testing.assert_array_equal(im, d.images)
+        np.testing.assert_array_equal(fr, d.frames)
+    root = zarr.open_group(str(path), mode="r")
+    assert root["step/image"].metadata.dimension_names[:2] == ("episode", "query")
+    assert root.attrs["query_every"] == 10 and root.attrs["chunk"] == 32
+    stats = demo_stats(loaded)
+    every_state = np.concatenate([d.state for d in demos])
+    np.testing.assert_allclose(stats["state"]["libero_proprio"]["min"], every_state.min(0))
+    np.testing.assert_allclose(stats["state"]["libero_proprio"]["max"], every_state.max(0))
+    every_action = np.concatenate([d.action for d in demos])
+    np.testing.assert_allclose(stats["action"]["libero_osc_pose"]["mean"], every_action.mean(0))
+    Normalizer(stats)  # Fast-WAM's format, readable by the rollout's normaliser
+
+
+def test_incomplete_store_is_refused(tmp_path) -> None:
+    path = tmp_path / "shard_000.zarr"
+    write_demo_store(path, [fake_demo(0, 12, 0)], {})
+    root = zarr.open_group(str(path), mode="r+")
+    del root.attrs["complete"]
+    with pytest.raises(StoreError, match="incomplete"):
+        load_demos([path])
+    with pytest.raises(StoreError, match="not a zarr store"):
+        load_demos([tmp_path / "nothing.zarr"])
+    with pytest.raises(ValueError, match="no successful"):
+        write_demo_store(tmp_path / "empty.zarr", [], {})
+
+
+def test_lr_schedule() -> None:
+    assert lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(9, 100, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(100, 100, 1.0, 10) == pytest.approx(0.1)
+
+
+CFG = TinyConfig(
+    video_dim=32, action_dim=32, layers=2, heads=2, head_dim=16, latent_channels=8,
+    text_dim=16, text_max_len=4, lora_rank=2,
+)  # fmt: skip
+SFT = {
+    "steps": 30, "batch": 8, "video_batch": 2, "video_frames": 3, "video_weight": 0.5,
+    "lr": 3e-3, "weight_decay": 0.0, "warmup": 2, "grad_clip": 1.0, "log_every": 1,
+}  # fmt: skip
+
+
+def batches(demos: list[Demo]) -> Batches:
+    ds = DemoSet(
+        np.array([d.task for d in demos], np.int32),
+        np.array([d.length for d in demos], np.int32),
+        [d.state for d in demos],
+        [d.action for d in demos],
+        [d.images for d in demos],
+        [d.frames for d in demos],
+    )
+    ctx = torch.randn(
+        40, CFG.text_max_len, CFG.text_dim, generator=torch.Generator().manual_seed(0)
+    )
+    mask = torch.ones(40, CFG.text_max_len, dtype=torch.bool)
+    return Batches(ds, Normalizer(demo_stats(ds)), ctx, mask, torch.device("cpu"))
+
+
+def test_batches_are_the_normalised_chunks() -> None:
+    demos = [fake_demo(5, 25, 0), fake_demo(9, 14, 1)]
+    b = batches(demos)
+    assert len(b.queries) == n_queries(25) + n_queries(14)
+    rng = np.random.default_rng(0)
+    pick = b.queries[np.random.default_rng(0).integers(len(b.queries), size=4)]
+    obs, target = b.actions(rng, 4)
+    for row, (e, q) in enumerate(pick):
+        d = demos[e]
+        want = b.norm.normalize_action(action_chunk(d.action, 10 * q))
+        np.testing.assert_allclose(target[row].numpy(), want, atol=1e-6)
+        np.testing.assert_allclose(
+            obs.proprio[row].numpy(), b.norm.normalize_state(d.state[10 * q]), atol=1e-6
+        )
+        img = d.images[q].astype(np.float32) * 2 / 255 - 1
+        np.testing.assert_allclose(obs.image[row].permute(1, 2, 0).numpy(), img, atol=1e-6)
+        torch.testing.assert_close(obs.context[row], b.context[d.task])
+    video, ctx, mask, proprio = b.video(rng, 3, 3)
+    assert video.shape == (3, 3, 3, 224, 448) and proprio.shape == (3, 8)
+    assert b.video(rng, 1, 100) is None  # no episode has 100 frames
+
+
+def test_sft_lowers_both_losses() -> None:
+    torch.manual_seed(0)
+    policy = TinyWAM(CFG)
+    log = train(policy, batches([fake_demo(1, 30, 0), fake_demo(2, 20, 1)]), SFT, seed=0)
+    assert len(log) == SFT["steps"]
+    first = (
+        np.mean([r["action_loss"] for r in log[:5]]),
+        np.mean([r["video_loss"] for r in log[:5]]),
+    )
+    last = (
+        np.mean([r["action_loss"] for r in log[-5:]]),
+        np.mean([r["video_loss"] for r in log[-5:]]),
+    )
+    assert last[0] < 0.8 * first[0] and last[1] < first[1]
+    assert not policy.training
