@@ -26,7 +26,7 @@ from wamrl.envs.tasks import load_tasks
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
     from wamrl.policy import build_policy, load_policy
-    from wamrl.policy.text import encode_texts, save_contexts
+    from wamrl.policy.text import cached_task_contexts, save_contexts
 
     if iteration != 0:
         raise ValueError("init builds iteration 0 only")
@@ -57,8 +57,11 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
 
         context, mask = task_contexts(cfg, run_dir, tasks)
     else:
-        context, mask = encode_texts(
-            [t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"]
+        context, mask = cached_task_contexts(
+            [t.language for t in tasks],
+            [t.name for t in tasks],
+            cfg["policy"]["tiny"]["text_max_len"],
+            Path(run_dir) / "context",
         )
     with atomic_dir(paths.policy_dir(run_dir, 0)) as tmp:
         policy.save(tmp)

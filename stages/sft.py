@@ -21,7 +21,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     from wamrl.envs.conventions import Normalizer
     from wamrl.envs.tasks import load_tasks
     from wamrl.policy import build_policy
-    from wamrl.policy.text import encode_texts, save_contexts
+    from wamrl.policy.text import cached_task_contexts, save_contexts
     from wamrl.rollout import progress_bar
     from wamrl.runtime import pick_device
     from wamrl.sft import Batches, train
@@ -36,7 +36,12 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     stats = demo_stats(demos)
     norm = Normalizer(stats)
     tasks = load_tasks()
-    context, mask = encode_texts([t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"])
+    context, mask = cached_task_contexts(
+        [t.language for t in tasks],
+        [t.name for t in tasks],
+        cfg["policy"]["tiny"]["text_max_len"],
+        run_dir / "context",
+    )
     device = pick_device(cfg)
     torch.manual_seed(cfg["seed"])
     policy = build_policy(cfg).to(device)

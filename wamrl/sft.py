@@ -96,7 +96,7 @@ def train(
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     policy.train()
     log: list[dict[str, float]] = []
-    task = progress.add_task("sft", total=cfg["steps"]) if progress is not None else None
+    task = progress.add_task("sft", total=cfg["steps"], info="") if progress is not None else None
     for step in range(cfg["steps"]):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup"])
@@ -124,7 +124,7 @@ def train(
                 }
             )
         if progress is not None:
-            progress.update(task, advance=1, description=f"sft  action {loss_a.item():.4f}")
+            progress.update(task, advance=1, info=f"action loss {loss_a.item():.4f}")
     policy.eval()
     return log
 

@@ -52,3 +52,29 @@ def load_contexts(path: Path) -> tuple[Tensor, Tensor]:
         raise FileNotFoundError(f"task contexts not found: {path}")
     d = load_file(str(path))
     return d["context"], d["mask"]
+
+
+def cached_task_contexts(
+    texts: list[str], names: list[str], max_len: int, cache_dir: Path
+) -> tuple[Tensor, Tensor]:
+    """encode_texts, kept in cache_dir/minilm_{max_len}.safetensors for the next stage of the
+    run (SFT, then init): the encoder loads once per run, and a machine without the encoder
+    package can run those stages from a cache made elsewhere."""
+    from safetensors import safe_open
+
+    path = Path(cache_dir) / f"minilm_{max_len}.safetensors"
+    if path.is_file():
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("names") == "\n".join(names) and meta.get("texts") == "\n".join(texts):
+            return load_contexts(path)
+    context, mask = encode_texts(texts, max_len)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(
+        {"context": context.contiguous(), "mask": mask.contiguous()},
+        str(tmp),
+        metadata={"names": "\n".join(names), "texts": "\n".join(texts)},
+    )
+    tmp.replace(path)
+    return context, mask
