@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch threads in the policy process")
     p.add_argument("--mujoco-gl", default=os.environ.get("MUJOCO_GL", "egl"))
+    p.add_argument("--config", nargs="*", default=[], help="YAML files over default.yaml (dims)")
     args = p.parse_args()
 
     from wamrl.config import load_config
@@ -71,17 +72,19 @@ def main() -> None:
     from wamrl.envs.pool import EnvPool
     from wamrl.envs.tasks import load_tasks
     from wamrl.policy import build_policy
-    from wamrl.policy.text import encode_texts
     from wamrl.rollout import EpisodeSpec, SamplerSettings, run_episodes
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(overrides={"env.mujoco_gl": args.mujoco_gl})
+    cfg = load_config(args.config, overrides={"env.mujoco_gl": args.mujoco_gl})
     device = torch.device(args.device)
     torch.manual_seed(0)
     policy = build_policy(cfg).to(device).eval()
     tasks = load_tasks()
     task = tasks[args.task]
-    context, mask = encode_texts([t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"])
+    # Random contexts: speed does not depend on their values, and the bench needs no encoder.
+    L = cfg["policy"]["tiny"]["text_max_len"]
+    context = torch.randn(len(tasks), L, policy.cfg.text_dim)
+    mask = torch.ones(len(tasks), L, dtype=torch.bool)
     stats = REPO / cfg["policy"]["stats"]
     normalizer = Normalizer.load(stats)
     specs = [EpisodeSpec(task, i % task.n_init_states, i) for i in range(args.episodes)]
@@ -110,7 +113,8 @@ def main() -> None:
 
     table = Table(
         title=f"rollout throughput: {args.envs} envs, {args.episodes} episodes x "
-        f"{args.macro_steps} macro-steps, task {task.index}, K={args.K}, {args.device}"
+        f"{args.macro_steps} macro-steps, task {task.index}, K={args.K}, {args.device}, "
+        f"{sum(p.numel() for p in policy.parameters()) / 1e6:.1f} M params"
     )
     for col in ("mode", "env steps", "wall s", "env steps/s", "episodes/h", "vs env only"):
         table.add_column(col, justify="right")
