@@ -1,0 +1,127 @@
+"""Learner throughput: PPO actor update macro-steps/s and model FLOP utilisation (not a test).
+
+    python bench/bench_learner.py                                   # tiny, CPU
+    python bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
+    python bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 256 \
+        --minibatch 32
+
+A macro-step is one stored query (image, proprio, x_k*, x_k*+1, log pi_old, advantage).
+The update is wamrl.ppo.actor_update as the actor stage runs it: the log pi check over all
+steps, then actor.epochs epochs of minibatches (prefill under no_grad, the action expert's
+step with gradients, fp32 log-probs). Data are random but self-consistent (log pi_old is
+the policy's own), so the check passes. FLOPs are counted once per minibatch with torch's
+FlopCounterMode (forward + backward); utilisation is against --peak-tflops (H200 dense
+bf16: 989; these are fp32/TF32 matmuls, so well below that is expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.utils.flop_counter import FlopCounterMode
+
+from wamrl.config import load_config
+from wamrl.policy import build_policy
+from wamrl.ppo import ActorData, _log_prob, actor_update
+
+
+def refresh_logp_old(policy, data: ActorData, batch: int, device) -> None:
+    """log pi_old := the policy's own log pi (what a rollout with these weights stored)."""
+    with torch.no_grad():
+        for s in range(0, len(data), batch):
+            idx = np.arange(s, min(s + batch, len(data)))
+            data.logp_old[idx] = _log_prob(policy, data, idx, device).float().cpu().numpy()
+
+
+def synthetic_data(policy, n: int, K: int, a: float, shift: float, batch: int, device) -> ActorData:
+    rng = np.random.default_rng(0)
+    L, D = 24, policy.cfg.text_dim
+    data = ActorData(
+        image=rng.integers(0, 256, (n, 224, 448, 3), dtype=np.uint8),
+        proprio=rng.uniform(-1, 1, (n, 8)).astype(np.float32),
+        task=rng.integers(0, 40, n),
+        x_k=rng.normal(size=(n, 32, 7)).astype(np.float32),
+        x_next=rng.normal(size=(n, 32, 7)).astype(np.float32) * 0.5,
+        k_star=rng.integers(1, K, n),
+        logp_old=np.zeros(n, np.float32),
+        adv=rng.normal(size=n).astype(np.float32),
+        where=np.zeros((n, 3), np.int64),
+        context=torch.randn(40, L, D),
+        context_mask=torch.ones(40, L, dtype=torch.bool),
+        K=K,
+        noise_a=a,
+        shift=shift,
+    )
+    refresh_logp_old(policy, data, batch, device)
+    return data
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--config", nargs="*", default=[])
+    p.add_argument("--steps", type=int, default=128, help="macro-steps in the update")
+    p.add_argument("--minibatch", type=int, default=None, help="default actor.minibatch")
+    p.add_argument("--epochs", type=int, default=None, help="default actor.epochs")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    over = {}
+    if args.minibatch:
+        over["actor.minibatch"] = args.minibatch
+    if args.epochs is not None:
+        over["actor.epochs"] = args.epochs
+    cfg = load_config(args.config, over)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    policy = build_policy(cfg).to(device)
+    s = cfg["sampler"]
+    mb, epochs = cfg["actor"]["minibatch"], cfg["actor"]["epochs"]
+    data = synthetic_data(policy, args.steps, s["K"], s["noise_a"], s["shift"], mb, device)
+    params = policy.parameter_groups()["actor"]
+    opt = torch.optim.Adam(params, lr=cfg["actor"]["lr"])
+
+    # FLOPs of one minibatch (prefill no_grad + action step fwd/bwd), counted once.
+    idx = np.arange(min(mb, len(data)))
+    with FlopCounterMode(display=False) as fc:
+        _log_prob(policy, data, idx, device).sum().backward()
+    opt.zero_grad(set_to_none=True)
+    flops_mb = fc.get_total_flops() / len(idx)  # per macro-step, one pass
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    actor_update(policy, None, data, {**cfg, "actor": {**cfg["actor"], "epochs": 1}}, opt, device)
+    refresh_logp_old(policy, data, mb, device)  # the warm-up changed the weights
+    sync()  # warm-up (allocator, kernels)
+    t0 = time.perf_counter()
+    metrics = actor_update(policy, None, data, cfg, opt, device)
+    sync()
+    wall = time.perf_counter() - t0
+    n_pass = len(data) * epochs  # updates; the log pi check adds a forward-only pass
+    rate = n_pass / wall
+    flops = flops_mb * n_pass  # the check's forward (~1/3 of a fwd+bwd) is not counted
+    n_params = sum(q.numel() for q in policy.parameters()) / 1e6
+    table = Table(title=f"PPO actor update, {device}, {n_params:.1f} M params")
+    for col in ("macro-steps", "minibatch", "epochs", "wall s", "macro-steps/s", "TFLOP/s", "MFU"):
+        table.add_column(col, justify="right")
+    tf = flops / wall / 1e12
+    table.add_row(
+        str(len(data)), str(mb), str(epochs), f"{wall:.2f}", f"{rate:.1f}", f"{tf:.2f}",
+        f"{tf / args.peak_tflops:.1%}",
+    )  # fmt: skip
+    Console().print(table)
+    print("logp check:", metrics["logp_check"])
+
+
+if __name__ == "__main__":
+    main()
