@@ -82,7 +82,8 @@ def main() -> None:
     cfg = load_config(args.config, over)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    policy = build_policy(cfg).to(device)
+    with device:  # full-size weights are made on the GPU, not copied there
+        policy = build_policy(cfg)
     s = cfg["sampler"]
     mb, epochs = cfg["actor"]["minibatch"], cfg["actor"]["epochs"]
     data = synthetic_data(policy, args.steps, s["K"], s["noise_a"], s["shift"], mb, device)
