@@ -13,8 +13,12 @@ from typing import Any
 
 from wamrl.experts.plan import Expert
 
-# task indices (wamrl.envs.tasks) whose expert succeeds on most init states (bench_experts.py)
-SUPPORTED: set[int] = set(range(40))
+# Task indices (wamrl.envs.tasks) whose expert succeeded on most of init states 0-2 in
+# bench/bench_experts.py. Left out: 23 (bowl into the opened top drawer: not "In" after the
+# drop), 25 (plate: the rim pinch misses), 33 (bottom drawer does not close all the way),
+# 38 (moka pots: grasp misses / slips), 39 (mug into the microwave: blocked from above).
+UNSUPPORTED: frozenset[int] = frozenset({23, 25, 33, 38, 39})
+SUPPORTED: set[int] = set(range(40)) - UNSUPPORTED
 
 
 def make_expert(task: Any) -> Expert:
@@ -23,4 +27,4 @@ def make_expert(task: Any) -> Expert:
     return Expert(task)
 
 
-__all__ = ["SUPPORTED", "Expert", "make_expert"]
+__all__ = ["SUPPORTED", "UNSUPPORTED", "Expert", "make_expert"]

@@ -223,12 +223,12 @@ def place_on(ctx: Ctx, obj: str, target: str, inside: bool = False) -> Actions:
     sc = ctx.sc
     xy = target_xy(ctx, target)
     joints = list(getattr(sc.rs.object_sites_dict.get(target), "joints", None) or [])
-    if inside and joints and sc.mj.jnt_type[sc.model.joint_name2id(joints[0])] == 2:
-        # a drawer's region: aim at its exposed front part, clear of the cabinet above
+    if inside and joints:
+        # a drawer's region: the cabinet above overhangs it; take the support from a small
+        # footprint, a little toward the drawer's exposed front
         _, axis = sc.joint_anchor_axis(joints[0])
-        o = -axis[:2] / max(np.linalg.norm(axis[:2]), 1e-9)
-        xy = xy + o * 0.02
-        return (yield from place(ctx, obj, xy, footprint=0.3))
+        o = -axis[:2] / max(float(np.linalg.norm(axis[:2])), 1e-9)
+        return (yield from place(ctx, obj, xy + o * 0.012, footprint=0.3))
     return (yield from place(ctx, obj, xy))
 
 
