@@ -62,18 +62,9 @@ def _explore(args: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(states), np.stack(actions)
 
 
-def _summary(x: np.ndarray) -> dict[str, list[float]]:
-    return {
-        "min": x.min(0).tolist(),
-        "max": x.max(0).tolist(),
-        "mean": x.mean(0).tolist(),
-        "std": x.std(0).tolist(),
-        "q01": np.quantile(x, 0.01, axis=0).tolist(),
-        "q99": np.quantile(x, 0.99, axis=0).tolist(),
-    }
-
-
 def main() -> None:
+    from wamrl.envs.conventions import stats_entry
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "data" / "stats.json")
     parser.add_argument("--steps", type=int, default=120, help="exploration env steps per scene")
@@ -96,8 +87,8 @@ def main() -> None:
             f"executed deltas (smooth random walk, bound {EXPLORE_BOUND.tolist()}), gripper in "
             "data convention 1 = open, 0 = closed."
         ),
-        "state": {"libero_proprio": _summary(states)},
-        "action": {"libero_osc_pose": _summary(actions)},
+        "state": {"libero_proprio": stats_entry(states)},
+        "action": {"libero_osc_pose": stats_entry(actions)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")

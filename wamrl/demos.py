@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from wamrl.envs.conventions import stats_entry
 from wamrl.store import _FLOAT_CODEC, _IMAGE_CODEC, _SMALL_CODEC, StoreError, _replace_dir
 
 QUERY_EVERY = 10  # env steps between queries (the replan interval)
@@ -239,23 +240,12 @@ def load_demos(paths: list[Path]) -> DemoSet:
     return DemoSet(np.concatenate(tasks), np.concatenate(lengths), states, actions, images, frames)
 
 
-def _summary(x: np.ndarray) -> dict[str, list[float]]:
-    return {
-        "min": x.min(0).tolist(),
-        "max": x.max(0).tolist(),
-        "mean": x.mean(0).tolist(),
-        "std": x.std(0).tolist(),
-        "q01": np.quantile(x, 0.01, axis=0).tolist(),
-        "q99": np.quantile(x, 0.99, axis=0).tolist(),
-    }
-
-
 def demo_stats(demos: DemoSet) -> dict[str, Any]:
     """Normalisation statistics in Fast-WAM's format over every env step of the demos."""
     state = np.concatenate(demos.state).astype(np.float64)
     action = np.concatenate(demos.action).astype(np.float64)
     return {
         "source": f"scripted-expert demonstrations: {len(demos)} episodes, {len(state)} steps",
-        "state": {"libero_proprio": _summary(state)},
-        "action": {"libero_osc_pose": _summary(action)},
+        "state": {"libero_proprio": stats_entry(state)},
+        "action": {"libero_osc_pose": stats_entry(action)},
     }

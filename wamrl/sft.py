@@ -35,6 +35,7 @@ class Batches:
         self.queries = np.array(
             [(e, q) for e, ims in enumerate(self.demos.images) for q in range(len(ims))]
         )
+        self.video_lengths = np.array([len(f) for f in self.demos.frames])
 
     def _ctx(self, tasks: np.ndarray) -> tuple[Tensor, Tensor]:
         t = torch.as_tensor(tasks, dtype=torch.long)
@@ -67,8 +68,8 @@ class Batches:
     ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """(video [B, F, 3, 224, 448], context, mask, proprio) or None if no episode is long
         enough for a window of `frames` frames."""
-        long_enough = [e for e, f in enumerate(self.demos.frames) if len(f) >= frames]
-        if not long_enough:
+        long_enough = np.flatnonzero(self.video_lengths >= frames)
+        if not len(long_enough):
             return None
         eps = rng.choice(long_enough, size=batch)
         clips, states = [], []

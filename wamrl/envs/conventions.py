@@ -119,6 +119,18 @@ def _pick(section: dict[str, Any], kind: str, key: str | None) -> tuple[str, _Mi
     return key, _MinMax(low, high)
 
 
+def stats_entry(x: np.ndarray) -> dict[str, list[float]]:
+    """One KEY entry of a Fast-WAM-format statistics file, over the rows of x [N, D]."""
+    return {
+        "min": x.min(0).tolist(),
+        "max": x.max(0).tolist(),
+        "mean": x.mean(0).tolist(),
+        "std": x.std(0).tolist(),
+        "q01": np.quantile(x, 0.01, axis=0).tolist(),
+        "q99": np.quantile(x, 0.99, axis=0).tolist(),
+    }
+
+
 class Normalizer:
     """Min/max normalisation to [-1, 1] from a Fast-WAM-format statistics file.
 
