@@ -10,7 +10,9 @@
 import sys
 from pathlib import Path
 
-from wamrl.config import RUN_CONFIG, ConfigError, coerce_strings, dump, expand_dotted, load_config
+from wamrl.config import (
+    RUN_CONFIG, ConfigError, coerce_strings, dump, expand_dotted, load_config, resolve_path
+)
 from wamrl.atomic import write_text
 
 # Iteration n depends on n-1 for every n: building the DAG of hundreds of iterations
@@ -43,6 +45,12 @@ def policy_of(n):
     return ancient(f"iter_{n}/policy")
 
 
+def base_inputs(base):
+    if base is None:
+        return []
+    return ["sft/policy"] if base == "sft" else [str(resolve_path(base) / "model.safetensors")]
+
+
 def every_eval():
     n, every = CFG["pipeline"]["iterations"], CFG["eval"]["every"]
     its = sorted({i for i in range(every, n + 1, every)} | {n})
@@ -57,7 +65,7 @@ rule all:
 rule init:
     input:
         # policy.base_checkpoint: sft trains the base here first (demos -> sft).
-        ["sft/policy"] if CFG["policy"]["base_checkpoint"] == "sft" else [],
+        base_inputs(CFG["policy"]["base_checkpoint"]),
     output:
         directory("iter_000/policy"),
     shell:

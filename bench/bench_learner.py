@@ -11,7 +11,8 @@ steps, then actor.epochs epochs of minibatches (prefill under no_grad, the actio
 step with gradients, fp32 log-probs). Data are random but self-consistent (log pi_old is
 the policy's own), so the check passes. FLOPs are counted once per minibatch with torch's
 FlopCounterMode (forward + backward); utilisation is against --peak-tflops (H200 dense
-bf16: 989; these are fp32/TF32 matmuls, so well below that is expected).
+bf16: 989). Each precision (--amp fp32 bf16, i.e. actor.amp) starts from the same weights;
+the last column is how far its log pi lies from float32's on the first minibatch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from wamrl.config import load_config
 from wamrl.policy import build_policy
-from wamrl.ppo import ActorData, _log_prob, actor_update
+from wamrl.ppo import AMP_DTYPES, ActorData, _log_prob, actor_update
 
 
 def refresh_logp_old(policy, data: ActorData, batch: int, device) -> None:
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=None, help="default actor.epochs")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--amp", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -87,41 +89,49 @@ def main() -> None:
     s = cfg["sampler"]
     mb, epochs = cfg["actor"]["minibatch"], cfg["actor"]["epochs"]
     data = synthetic_data(policy, args.steps, s["K"], s["noise_a"], s["shift"], mb, device)
-    params = policy.parameter_groups()["actor"]
-    opt = torch.optim.Adam(params, lr=cfg["actor"]["lr"])
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
 
     # FLOPs of one minibatch (prefill no_grad + action step fwd/bwd), counted once.
     idx = np.arange(min(mb, len(data)))
     with FlopCounterMode(display=False) as fc:
         _log_prob(policy, data, idx, device).sum().backward()
-    opt.zero_grad(set_to_none=True)
+    policy.zero_grad(set_to_none=True)
     flops_mb = fc.get_total_flops() / len(idx)  # per macro-step, one pass
+    with torch.no_grad():
+        ref = _log_prob(policy, data, idx, device)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    actor_update(policy, None, data, {**cfg, "actor": {**cfg["actor"], "epochs": 1}}, opt, device)
-    refresh_logp_old(policy, data, mb, device)  # the warm-up changed the weights
-    sync()  # warm-up (allocator, kernels)
-    t0 = time.perf_counter()
-    metrics = actor_update(policy, None, data, cfg, opt, device)
-    sync()
-    wall = time.perf_counter() - t0
-    n_pass = len(data) * epochs  # updates; the log pi check adds a forward-only pass
-    rate = n_pass / wall
-    flops = flops_mb * n_pass  # the check's forward (~1/3 of a fwd+bwd) is not counted
     n_params = sum(q.numel() for q in policy.parameters()) / 1e6
     table = Table(title=f"PPO actor update, {device}, {n_params:.1f} M params")
-    for col in ("macro-steps", "minibatch", "epochs", "wall s", "macro-steps/s", "TFLOP/s", "MFU"):
+    cols = ("precision", "macro-steps", "minibatch", "epochs", "wall s", "macro-steps/s",
+            "TFLOP/s", "MFU", "max |log pi - fp32|")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="right")
-    tf = flops / wall / 1e12
-    table.add_row(
-        str(len(data)), str(mb), str(epochs), f"{wall:.2f}", f"{rate:.1f}", f"{tf:.2f}",
-        f"{tf / args.peak_tflops:.1%}",
-    )  # fmt: skip
+    for amp in args.amp:
+        policy.load_state_dict(initial)
+        refresh_logp_old(policy, data, mb, device)
+        acfg = {**cfg["actor"], "amp": None if amp == "fp32" else amp}
+        with torch.no_grad():
+            dev = (_log_prob(policy, data, idx, device, AMP_DTYPES[acfg["amp"]]) - ref).abs().max()
+        opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=cfg["actor"]["lr"])
+        actor_update(policy, None, data, {**cfg, "actor": {**acfg, "epochs": 1}}, opt, device)
+        refresh_logp_old(policy, data, mb, device)  # the warm-up changed the weights
+        sync()  # warm-up (allocator, kernels)
+        t0 = time.perf_counter()
+        metrics = actor_update(policy, None, data, {**cfg, "actor": acfg}, opt, device)
+        sync()
+        wall = time.perf_counter() - t0
+        n_pass = len(data) * epochs  # updates; the log pi check adds a forward-only pass
+        tf = flops_mb * n_pass / wall / 1e12  # the check's forward is not counted
+        table.add_row(
+            amp, str(len(data)), str(mb), str(epochs), f"{wall:.2f}", f"{n_pass / wall:.1f}",
+            f"{tf:.2f}", f"{tf / args.peak_tflops:.1%}", f"{float(dev):.2e}",
+        )  # fmt: skip
+        print(f"{amp} logp check:", metrics["logp_check"])
     Console().print(table)
-    print("logp check:", metrics["logp_check"])
 
 
 if __name__ == "__main__":

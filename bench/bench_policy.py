@@ -3,7 +3,8 @@
     python bench/bench_policy.py                          # batch 1 and 16, K 8, 2 threads, CPU
     python bench/bench_policy.py --batch 16 --threads 2 --repeats 50
     python bench/bench_policy.py --video-dim 64 --layers 2  # other model dims
-    python bench/bench_policy.py --device cuda            # where a GPU is available
+    python bench/bench_policy.py --device cuda            # where a GPU is available; adds the
+                                                          # CUDA-graph query (wamrl/graphed.py)
 
 A query is what the rollout does once per macro-step for a batch of envs: prefill the
 first-frame K/V cache (image autoencoder + video expert on one frame), then K denoising
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wamrl.config import load_config
+from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs
 from wamrl.policy.tiny import TinyWAM, build_tiny
 from wamrl.sampler import sample_chunk
@@ -74,6 +76,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph column")
     p.add_argument("--config", nargs="*", default=[], help="YAML files over default.yaml")
     for key in DIMS:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key)
@@ -130,6 +133,11 @@ def main() -> None:
         "env-actions/s",
     ):
         table.add_column(col, justify="right")
+    graphs = device.type == "cuda" and not args.no_graphs
+    if graphs:  # the rollout's path on CUDA: the same query replayed as a CUDA graph
+        table.add_column("CUDA-graph query ms (median)", justify="right")
+        table.add_column("graph speed-up", justify="right")
+        graphed = GraphedSampler(model, K, a, shift, max(args.batch))
 
     for b in args.batch:
         obs = random_obs(model, b, text_len, device)
@@ -143,6 +151,10 @@ def main() -> None:
                 sample_chunk(model, model.prefill(obs), b, K, a, shift, gen)
 
             q = timed(query, device, args.warmup, args.repeats)
+            if graphs:
+                gq = timed(
+                    lambda obs=obs, gen=gen: graphed.query(obs, gen), device, 2, args.repeats
+                )
             enc = timed(lambda obs=obs: model.ae.encode(obs.image), device, 1, args.repeats)
             pre = timed(lambda obs=obs: model.prefill(obs), device, 1, args.repeats)
             vel = timed(
@@ -165,6 +177,11 @@ def main() -> None:
             f"{calls:.1f}",
             f"{b * calls:.1f}",
             f"{b * calls * replan:.0f}",
+            *(
+                [f"{statistics.median(gq):.2f}", f"{med / statistics.median(gq):.1f}x"]
+                if graphs
+                else []
+            ),
         )
     console.print(table)
 

@@ -91,7 +91,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             context.to(device),
             mask.to(device),
             normalizer,
-            SamplerSettings(e["K"], 0.0, cfg["sampler"]["shift"]),
+            SamplerSettings(e["K"], 0.0, cfg["sampler"]["shift"], cfg["sampler"]["cuda_graphs"]),
             e["max_macro_steps"],
             seed=e["seed"],
             on_episode=on_episode,

@@ -22,6 +22,26 @@ from wamrl.atomic import atomic_dir, sha256_file, write_json
 from wamrl.config import resolve_path
 from wamrl.envs.conventions import Normalizer
 from wamrl.envs.tasks import load_tasks
+from wamrl.policy.checkpoint import read_policy_yaml
+
+
+def check_base_matches(cfg_policy: dict[str, Any], base_dir: Path) -> None:
+    """A base checkpoint brings its own dims; refuse one that contradicts the config's."""
+    meta = read_policy_yaml(base_dir / "policy.yaml")
+    if meta["backend"] != cfg_policy["backend"]:
+        raise ValueError(
+            f"policy.base_checkpoint {base_dir} is a {meta['backend']!r} model, "
+            f"but policy.backend is {cfg_policy['backend']!r}"
+        )
+    wanted = cfg_policy.get(meta["backend"]) or {}
+    have = meta["config"]
+    differ = {k: (v, have[k]) for k, v in wanted.items() if k in have and have[k] != v}
+    if differ:
+        pairs = ", ".join(f"{k}: config {a} vs checkpoint {b}" for k, (a, b) in differ.items())
+        raise ValueError(
+            f"policy.base_checkpoint {base_dir} has other dims than policy.{meta['backend']} "
+            f"({pairs}); set policy.base_checkpoint: null for a fresh model of these dims"
+        )
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
@@ -41,6 +61,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
     if base_dir is not None:
         if not (base_dir / "model.safetensors").is_file():
             raise FileNotFoundError(f"policy.base_checkpoint: no model.safetensors in {base_dir}")
+        check_base_matches(cfg["policy"], base_dir)
         policy = load_policy(base_dir)
         source = {
             "base_checkpoint": str(base_dir),

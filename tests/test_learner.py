@@ -238,6 +238,30 @@ def test_actor_update_follows_advantage_sign(run_after_reward) -> None:
     assert len(metrics["epochs"]) == cfg["actor"]["epochs"]
 
 
+def test_bf16_actor_path_matches_float32_within_tolerance(run_after_reward) -> None:
+    """actor.amp: bf16 autocasts the model; log pi stays float32 and close to the fp32 path."""
+    run, cfg = run_after_reward
+    policy, data = _data(run, cfg)
+    idx = np.arange(len(data))
+    with torch.no_grad():
+        fp32 = ppo._log_prob(policy, data, idx, "cpu")
+        bf16 = ppo._log_prob(policy, data, idx, "cpu", amp=torch.bfloat16)
+    assert bf16.dtype == torch.float32
+    # bf16 rounding moves mu by ~1e-3 of the velocity; log pi sums 224 Gaussian terms.
+    assert (bf16 - fp32).abs().max() < 0.5, (bf16 - fp32).abs().max()
+    assert not torch.equal(bf16, fp32)  # autocast did act
+    cfg = copy.deepcopy(cfg)
+    cfg["actor"].update(lr=1e-4, amp="bf16")
+    opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=1e-4)
+    metrics = ppo.actor_update(policy, None, data, cfg, opt)
+    assert metrics["logp_check"]["logp_check_max_ratio_dev"] <= cfg["actor"]["logp_check_tol"]
+    assert metrics["epochs"][0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=0.05)
+    with torch.no_grad():
+        after = ppo._log_prob(policy, data, idx, "cpu")
+    delta = (after - fp32).numpy()
+    assert delta[data.adv > 0].mean() > 0 and delta[data.adv < 0].mean() < 0, delta
+
+
 def test_nan_stops_actor_stage_before_writing(run_after_reward, monkeypatch) -> None:
     import stages.actor
 

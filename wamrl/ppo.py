@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from wamrl.policy.base import Obs, Policy
 
+AMP_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
+
 
 class NonFiniteError(RuntimeError):
     """A NaN/Inf in the loss, gradients or parameters: the stage stops before writing."""
@@ -113,25 +115,35 @@ class ActorData:
 
 
 def _log_prob(
-    policy: Policy, data: ActorData, idx: np.ndarray, device: torch.device | str
+    policy: Policy,
+    data: ActorData,
+    idx: np.ndarray,
+    device: torch.device | str,
+    amp: torch.dtype | None = None,
 ) -> Tensor:
-    """log pi of the stored x_{k*+1} given x_{k*}; grads flow through the action expert only."""
+    """log pi of the stored x_{k*+1} given x_{k*}; grads flow through the action expert only.
+
+    amp (e.g. torch.bfloat16) autocasts the model's matmuls; the velocity is cast back and
+    the SDE mean, std and Gaussian log-density stay float32 (sampler.py casts them).
+    """
     from wamrl import sampler  # imported late: the sampler module is another helper's file
 
     obs = data.obs(idx, device)
-    with torch.no_grad():  # the video expert is frozen in the actor phase (seed 002, 8.3)
-        cache = policy.prefill(obs)
-    return sampler.recompute_log_prob(
-        policy,
-        obs,
-        data.tensor("x_k", idx, device).float(),
-        data.tensor("x_next", idx, device).float(),
-        data.tensor("k_star", idx, device).long(),
-        data.K,
-        data.noise_a,
-        data.shift,
-        cache=cache,
-    )
+    dev_type = torch.device(device).type
+    with torch.autocast(dev_type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+        with torch.no_grad():  # the video expert is frozen in the actor phase (seed 002, 8.3)
+            cache = policy.prefill(obs)
+        return sampler.recompute_log_prob(
+            policy,
+            obs,
+            data.tensor("x_k", idx, device).float(),
+            data.tensor("x_next", idx, device).float(),
+            data.tensor("k_star", idx, device).long(),
+            data.K,
+            data.noise_a,
+            data.shift,
+            cache=cache,
+        )
 
 
 def check_logp(
@@ -216,6 +228,8 @@ def actor_update(
         metrics["skipped"] = "no kept macro-steps (every group was degenerate or empty)"
         return metrics
     mb = int(acfg["minibatch"])
+    # The check compares with the rollout's float32 log pi_old, so it always runs in float32.
+    amp = AMP_DTYPES[acfg.get("amp")]
     metrics["logp_check"] = check_logp(policy, data, float(acfg["logp_check_tol"]), mb, device)
 
     rng = np.random.default_rng(seed)
@@ -225,11 +239,11 @@ def actor_update(
         first_ratio = math.nan
         for start in range(0, len(data), mb):
             idx = np.sort(perm[start : start + mb])  # sorted: contiguous-ish reads from numpy
-            logp_new = _log_prob(policy, data, idx, device)
+            logp_new = _log_prob(policy, data, idx, device, amp)
             logp_ref = None
             if ref_policy is not None and float(acfg["ref_kl"]) != 0.0:
                 with torch.no_grad():
-                    logp_ref = _log_prob(ref_policy, data, idx, device)
+                    logp_ref = _log_prob(ref_policy, data, idx, device, amp)
             loss, stats = ppo_loss(
                 logp_new,
                 data.tensor("logp_old", idx, device).float(),

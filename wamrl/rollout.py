@@ -27,6 +27,7 @@ from rich.progress import (
 from wamrl.envs.conventions import Normalizer, env_actions, image_to_model_input
 from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
 from wamrl.envs.tasks import Task
+from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import Obs, Policy
 from wamrl.sampler import sample_chunk
 from wamrl.store import EpisodeData
@@ -48,6 +49,7 @@ class SamplerSettings:
     K: int
     a: float
     shift: float
+    cuda_graphs: bool = False  # replay each query as a CUDA graph (wamrl/graphed.py) on CUDA
 
 
 @dataclass
@@ -151,6 +153,9 @@ def run_episodes(
     restarts the process for the next episode and the run goes on.
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    graphed = None
+    if sampler.cuda_graphs and torch.device(device).type == "cuda":
+        graphed = GraphedSampler(policy, sampler.K, sampler.a, sampler.shift, len(pool))
     todo = list(enumerate(specs))[::-1]
     running: dict[int, _Running] = {}
     replan = pool.replan
@@ -219,6 +224,7 @@ def run_episodes(
                     generator,
                     device,
                     replan,
+                    graphed,
                 )
                 stats["queries"] += len(waiting)
                 stats["batches"] += 1
@@ -237,6 +243,7 @@ def _answer(
     generator: torch.Generator,
     device: torch.device,
     replan: int,
+    graphed: GraphedSampler | None = None,
 ) -> None:
     eps = [running[s] for s in slots]
     images = np.stack([ep.pending[0] for ep in eps])
@@ -251,7 +258,10 @@ def _answer(
     x0 = None
     if all(ep.generator is not None for ep in eps):  # eval: per-episode reproducible noise
         x0 = torch.stack([torch.randn(32, 7, generator=ep.generator) for ep in eps]).to(device)
-    out = query_chunks(policy, obs, sampler, generator, x0=x0)
+    if graphed is not None:
+        out = graphed.query(obs, generator, x0=x0)
+    else:
+        out = query_chunks(policy, obs, sampler, generator, x0=x0)
     chain = out.chain.float().cpu().numpy()
     k_star = out.k_star.cpu().numpy()
     logp = out.logp.float().cpu().numpy()

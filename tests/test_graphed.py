@@ -1,0 +1,90 @@
+"""The graph-ready query path reproduces prefill + sample_chunk exactly (run eagerly on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wamrl.graphed import GraphedSampler, draw_noise
+from wamrl.policy.base import Obs
+from wamrl.policy.tiny import TinyConfig, TinyWAM
+from wamrl.sampler import sample_chunk
+
+
+def _policy_and_obs(batch: int) -> tuple[TinyWAM, Obs]:
+    torch.manual_seed(0)
+    policy = TinyWAM(TinyConfig(video_dim=64, action_dim=32, layers=2, heads=2, head_dim=16)).eval()
+    g = torch.Generator().manual_seed(1)
+    obs = Obs(
+        torch.rand(batch, 3, 224, 448, generator=g) * 2 - 1,
+        torch.rand(batch, 8, generator=g) * 2 - 1,
+        torch.randn(batch, 5, 384, generator=g),
+        torch.tensor([[True] * 5] * batch),
+    )
+    return policy, obs
+
+
+@pytest.mark.parametrize("a", [0.0, 0.5])
+def test_static_path_equals_sample_chunk(a: float) -> None:
+    policy, obs = _policy_and_obs(6)
+    sampler = GraphedSampler(policy, K=8, a=a, shift=5.0, max_batch=8)
+    with torch.no_grad():
+        ref = sample_chunk(
+            policy, policy.prefill(obs), 6, 8, a, 5.0, torch.Generator().manual_seed(7)
+        )
+    out = sampler.query(obs, torch.Generator().manual_seed(7))
+    assert torch.equal(out.k_star, ref.k_star)
+    torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=1e-4)
+    if a > 0:
+        assert (out.logp != 0).all()  # every row had its SDE step
+
+
+def test_draw_noise_leaves_the_generator_where_sample_chunk_does() -> None:
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    policy, obs = _policy_and_obs(4)
+    with torch.no_grad():
+        sample_chunk(policy, policy.prefill(obs), 4, 6, 0.5, 5.0, g1)
+    draw_noise(4, 6, 0.5, g2)
+    assert torch.equal(torch.randn(3, generator=g1), torch.randn(3, generator=g2))
+
+
+def test_buckets_and_weight_signature() -> None:
+    policy, _ = _policy_and_obs(1)
+    sampler = GraphedSampler(policy, K=4, a=0.5, shift=5.0, max_batch=12)
+    assert sampler.buckets == [1, 2, 4, 8, 12]
+    assert [sampler.bucket(n) for n in (1, 3, 8, 9, 12)] == [1, 4, 8, 12, 12]
+    with pytest.raises(ValueError, match="exceeds max_batch 12"):
+        sampler.bucket(13)
+    before = sampler.weights_signature()
+    with torch.no_grad():
+        next(policy.parameters()).add_(1.0)  # an in-place update, as an optimizer step does
+    assert sampler.weights_signature() != before
+    sig = sampler.weights_signature()
+    policy.load_state_dict(policy.state_dict())
+    assert sampler.weights_signature() != sig
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_eager_and_recaptures_after_an_update() -> None:
+    policy, obs = _policy_and_obs(5)
+    policy = policy.cuda()
+    obs = obs.to("cuda")
+    sampler = GraphedSampler(policy, K=8, a=0.5, shift=5.0, max_batch=8)
+
+    def eager(seed: int):
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed)
+            return sample_chunk(policy, policy.prefill(obs), 5, 8, 0.5, 5.0, gen)
+
+    for seed in (7, 8):  # the second replays the captured graph with new noise
+        ref, out = eager(seed), sampler.query(obs, torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-4)
+        torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=1e-2)
+    assert sampler.captures == 1
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.01)  # new weights, in place: the graph must be re-captured
+    ref, out = eager(9), sampler.query(obs, torch.Generator().manual_seed(9))
+    assert sampler.captures == 2
+    torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-4)

@@ -1,0 +1,174 @@
+"""The rollout query (prefill + K denoising steps) replayed as one CUDA graph per batch size.
+
+At tiny and small dims a query is launch-bound: hundreds of small kernels, each a few
+microseconds of GPU work behind tens of microseconds of Python and launch. A CUDA graph
+records them once and replays them with one launch. What that needs, and how it is met:
+
+- Fixed shapes: a waiting batch is padded (row 0 repeated) to the next bucket size
+  (1, 2, 4, ... up to the number of envs); the padding rows are dropped afterwards. Every
+  row of the model is independent of the others, so padding changes no real row.
+- No host work inside: all randomness (x_0, k*, the SDE noise) is drawn on the CPU
+  generator first, in exactly the order `sampler.sample_chunk` draws it, and copied into
+  static buffers; the SDE step is selected per row with torch.where instead of an `if`.
+  So a graphed query gives the eager sampler's chain, k* and log pi_old for the same
+  generator state (tests/test_graphed.py checks it on CPU through the same code path).
+- Weights change between iterations (a new checkpoint, or in-place updates): a graph
+  keeps pointers, and the folded LoRA weight it captured would be stale, so every graph is
+  dropped and re-captured when any parameter's storage or version has changed.
+- Log-probs stay float32: velocities are cast to float32 before the sampler math.
+
+On a CPU device the same static-noise path runs eagerly (no graph), which is what the
+tests compare against `sample_chunk`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs, Policy
+from wamrl.sampler import SampleResult, gaussian_log_prob, ode_step, sde_mean_std, sigma_schedule
+
+
+def draw_noise(
+    batch: int, K: int, a: float, generator: torch.Generator | None, x0: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(x_0, k*, xi) on the CPU, drawn in sample_chunk's order; xi[b] is row b's SDE noise."""
+    if x0 is None:
+        x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)
+    if a > 0:
+        if K < 2:
+            raise ValueError(f"a > 0 needs K >= 2 (k* lies in 1..K-1, sigma_0 = 1), got K = {K}")
+        k_star = torch.randint(1, K, (batch,), generator=generator)
+    else:
+        k_star = torch.zeros(batch, dtype=torch.long)
+    xi = torch.zeros(batch, CHUNK_LEN, ACTION_DIM)
+    if a > 0:
+        for k in range(K):  # sample_chunk draws one full-batch tensor per step that has an SDE row
+            rows = k_star == k
+            if bool(rows.any()):
+                xi[rows] = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)[rows]
+    return x0.float().cpu(), k_star, xi
+
+
+def denoise_static(
+    policy: Policy,
+    obs: Obs,
+    x0: Tensor,
+    k_star: Tensor,
+    xi: Tensor,
+    sigmas: Tensor,
+    a: float,
+) -> tuple[Tensor, Tensor]:
+    """prefill + K steps with no host synchronisation: (chain [B, K+1, 32, 7], logp [B])."""
+    cache = policy.prefill(obs)
+    K = sigmas.shape[0] - 1
+    x = x0
+    chain = [x]
+    logp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for k in range(K):
+        s, s_next = sigmas[k], sigmas[k + 1]
+        v = policy.velocity(cache, x, s.expand(x.shape[0])).float()
+        x_next = ode_step(x, v, s, s_next)
+        if a > 0 and k >= 1:  # k* >= 1, so step 0 is always ODE
+            mu, std = sde_mean_std(x, v, s, s_next, a)
+            x_sde = mu + std * xi
+            sde = k_star == k
+            x_next = torch.where(sde[:, None, None], x_sde, x_next)
+            logp = torch.where(sde, gaussian_log_prob(x_sde, mu, std), logp)
+        x = x_next
+        chain.append(x)
+    return torch.stack(chain, 1), logp
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]  # image, proprio, context, mask, x0, k_star, xi
+    chain: Tensor
+    logp: Tensor
+
+
+class GraphedSampler:
+    """`query(obs, generator, x0)` -> SampleResult, equal to prefill + sample_chunk."""
+
+    def __init__(self, policy: Policy, K: int, a: float, shift: float, max_batch: int):
+        self.policy, self.K, self.a = policy, K, a
+        self.device = next(policy.parameters()).device
+        self.sigmas = sigma_schedule(K, shift).to(self.device)
+        self.buckets = [1]
+        while self.buckets[-1] < max_batch:
+            self.buckets.append(min(2 * self.buckets[-1], max_batch))
+        self.use_graphs = self.device.type == "cuda"
+        self._graphs: dict[tuple, _Graph] = {}
+        self._signature: tuple | None = None
+        self.captures = 0  # graphs captured so far (benchmarks and tests read it)
+
+    def weights_signature(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self.policy.parameters())
+
+    def bucket(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"batch {batch} exceeds max_batch {self.buckets[-1]}")
+
+    @torch.no_grad()
+    def query(
+        self, obs: Obs, generator: torch.Generator | None, x0: Tensor | None = None
+    ) -> SampleResult:
+        batch = obs.batch_size
+        x0, k_star, xi = draw_noise(batch, self.K, self.a, generator, x0)
+        inputs = (obs.image, obs.proprio, obs.context, obs.context_mask, x0, k_star, xi)
+        if not self.use_graphs:
+            dev = [t.to(self.device) for t in inputs]
+            chain, logp = denoise_static(
+                self.policy, Obs(*dev[:4]), *dev[4:], sigmas=self.sigmas, a=self.a
+            )
+            return SampleResult(chain, k_star.to(self.device), logp)
+        size = self.bucket(batch)
+        g = self._graph_for(size, inputs)
+        for dst, src in zip(g.inputs, inputs, strict=True):
+            dst[:batch].copy_(src, non_blocking=True)
+            if size > batch:
+                dst[batch:].copy_(src[:1].expand(size - batch, *src.shape[1:]), non_blocking=True)
+        g.graph.replay()
+        return SampleResult(g.chain[:batch].clone(), k_star.to(self.device), g.logp[:batch].clone())
+
+    def _graph_for(self, size: int, inputs: tuple[Tensor, ...]) -> _Graph:
+        signature = self.weights_signature()
+        if signature != self._signature:  # new or updated weights: every graph is stale
+            self._graphs.clear()
+            self._signature = signature
+        key = (size,) + tuple(tuple(t.shape[1:]) + (t.dtype,) for t in inputs)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(size, inputs)
+        return self._graphs[key]
+
+    def _capture(self, size: int, like: tuple[Tensor, ...]) -> _Graph:
+        static = tuple(
+            torch.zeros((size, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in like
+        )
+        for dst, src in zip(static, like, strict=True):  # real values: masks must not be empty
+            dst.copy_(src[:1].expand(size, *src.shape[1:]))
+
+        def run() -> tuple[Tensor, Tensor]:
+            return denoise_static(
+                self.policy, Obs(*static[:4]), *static[4:], sigmas=self.sigmas, a=self.a
+            )
+
+        # Warm-up on a side stream (cuBLAS/cuDNN workspaces, memoised folded weights), then
+        # record; the capture pool is private to this graph.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain, logp = run()
+        self.captures += 1
+        return _Graph(graph, static, chain, logp)
