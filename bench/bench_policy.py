@@ -155,6 +155,15 @@ def main() -> None:
                 gq = timed(
                     lambda obs=obs, gen=gen: graphed.query(obs, gen), device, 2, args.repeats
                 )
+                ref = sample_chunk(
+                    model, model.prefill(obs), b, K, a, shift, torch.Generator().manual_seed(5)
+                )
+                out = graphed.query(obs, torch.Generator().manual_seed(5))
+                console.print(
+                    f"batch {b}: CUDA graph vs eager, same noise: max |chain diff| "
+                    f"{(out.chain - ref.chain).abs().max():.2e}, max |log pi diff| "
+                    f"{(out.logp - ref.logp).abs().max():.2e}, graphs captured {graphed.captures}"
+                )
             enc = timed(lambda obs=obs: model.ae.encode(obs.image), device, 1, args.repeats)
             pre = timed(lambda obs=obs: model.prefill(obs), device, 1, args.repeats)
             vel = timed(
