@@ -98,6 +98,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             device=device,
             description=f"eval iter {iteration}",
             lockstep=True,
+            record_frames=False,  # eval scores success only: one render per chunk
         )
     report = {
         "iteration": iteration,

@@ -334,3 +334,10 @@ def test_pool_frames_and_crash_recovery(env):
         pool.send_chunk(0, actions)
         (result,) = next_events(pool, StepResult)
         assert result.done and result.video is None and result.frames.shape == (2, 224, 448, 3)
+
+        # Eval skips the +4/+8 renders: the frames repeat the query image, none is new.
+        pool.start_episode(0, task, 0, max_macro_steps=1, record_frames=False)
+        (query,) = next_events(pool, Query)
+        pool.send_chunk(0, actions)
+        (result,) = next_events(pool, StepResult)
+        assert result.done and (result.frames == query.image[None]).all()

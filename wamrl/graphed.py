@@ -23,6 +23,7 @@ tests compare against `sample_chunk`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -122,20 +123,30 @@ class GraphedSampler:
         batch = obs.batch_size
         x0, k_star, xi = draw_noise(batch, self.K, self.a, generator, x0)
         inputs = (obs.image, obs.proprio, obs.context, obs.context_mask, x0, k_star, xi)
-        if not self.use_graphs:
-            dev = [t.to(self.device) for t in inputs]
-            chain, logp = denoise_static(
-                self.policy, Obs(*dev[:4]), *dev[4:], sigmas=self.sigmas, a=self.a
-            )
-            return SampleResult(chain, k_star.to(self.device), logp)
-        size = self.bucket(batch)
-        g = self._graph_for(size, inputs)
-        for dst, src in zip(g.inputs, inputs, strict=True):
-            dst[:batch].copy_(src, non_blocking=True)
-            if size > batch:
-                dst[batch:].copy_(src[:1].expand(size - batch, *src.shape[1:]), non_blocking=True)
-        g.graph.replay()
-        return SampleResult(g.chain[:batch].clone(), k_star.to(self.device), g.logp[:batch].clone())
+        if self.use_graphs:
+            size = self.bucket(batch)
+            try:
+                g = self._graph_for(size, inputs)
+            except RuntimeError as err:  # an op that cannot be captured: stay correct, go eager
+                warnings.warn(
+                    f"CUDA graph capture failed ({err}); queries run eagerly", stacklevel=2
+                )
+                self.use_graphs = False
+            else:
+                for dst, src in zip(g.inputs, inputs, strict=True):
+                    dst[:batch].copy_(src, non_blocking=True)
+                    if size > batch:
+                        pad = src[:1].expand(size - batch, *src.shape[1:])
+                        dst[batch:].copy_(pad, non_blocking=True)
+                g.graph.replay()
+                return SampleResult(
+                    g.chain[:batch].clone(), k_star.to(self.device), g.logp[:batch].clone()
+                )
+        dev = [t.to(self.device) for t in inputs]
+        chain, logp = denoise_static(
+            self.policy, Obs(*dev[:4]), *dev[4:], sigmas=self.sigmas, a=self.a
+        )
+        return SampleResult(chain, dev[5], logp)
 
     def _graph_for(self, size: int, inputs: tuple[Tensor, ...]) -> _Graph:
         signature = self.weights_signature()

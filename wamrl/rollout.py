@@ -142,12 +142,15 @@ def run_episodes(
     device: torch.device,
     description: str = "rollout",
     lockstep: bool = False,
+    record_frames: bool = True,
 ) -> dict[str, float]:
     """Run every spec to completion on the pool; `on_episode(i, data)` gets each finished one.
 
     lockstep (eval): answer only when every running episode waits, so each batch holds the
     same episodes on every rerun and results are bitwise reproducible; otherwise whoever
     waits is answered at once (batch composition then follows process timing).
+
+    record_frames False (eval) skips rendering the +4/+8 frames that only the reward uses.
 
     A crashed env process ends its episode as failed and truncated (env_crashed); the pool
     restarts the process for the next episode and the run goes on.
@@ -167,7 +170,9 @@ def run_episodes(
         if spec.noise_seed is not None:
             gen = torch.Generator(device="cpu").manual_seed(spec.noise_seed)
         running[slot] = _Running(i, spec, gen)
-        pool.start_episode(slot, spec.task, spec.init_state, spec.record_video, max_macro_steps)
+        pool.start_episode(
+            slot, spec.task, spec.init_state, spec.record_video, max_macro_steps, record_frames
+        )
 
     with progress_bar() as bar:
         job = bar.add_task(description, total=len(specs), info="")

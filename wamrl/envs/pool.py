@@ -74,9 +74,12 @@ Event = Query | StepResult | Crashed
 
 
 class _Episode:
-    def __init__(self, task: Task, record_video: bool, max_macro_steps: int | None):
+    def __init__(
+        self, task: Task, record_video: bool, max_macro_steps: int | None, record_frames: bool
+    ):
         self.task = task
         self.record_video = record_video
+        self.record_frames = record_frames  # eval needs no +4/+8 frames: 1 render per chunk
         self.max_macro_steps = max_macro_steps
         self.macro_steps = 0
         self.last_image: np.ndarray | None = None  # the last model image rendered
@@ -98,7 +101,8 @@ def _run_chunk(env: Any, ep: _Episode, actions: np.ndarray) -> tuple[dict[str, A
         if env.steps_taken >= ep.task.max_steps:
             break
         n = executed + 1
-        render = ep.record_video or n in FRAME_OFFSETS or (n == len(actions) and not final)
+        frame = ep.record_frames and n in FRAME_OFFSETS
+        render = ep.record_video or frame or (n == len(actions) and not final)
         success = env.step(action, render=render)
         executed = n
         if render:
@@ -106,7 +110,7 @@ def _run_chunk(env: Any, ep: _Episode, actions: np.ndarray) -> tuple[dict[str, A
         if ep.record_video:
             video.append(ep.last_image)
             video_proprio.append(env.proprio())
-        if n in FRAME_OFFSETS:
+        if frame:
             frames.append(ep.last_image)
         if success:
             break
@@ -145,7 +149,7 @@ def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
             if kind == "close":
                 break
             if kind == "start":
-                _, task, init_state, record_video, max_macro_steps = msg
+                _, task, init_state, record_video, max_macro_steps, record_frames = msg
                 if env is None or env.task.index != task.index:
                     if env is not None:
                         env.close()
@@ -156,7 +160,7 @@ def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
                         seed=seed,
                         msaa=bool(cfg_env.get("msaa", False)),
                     )
-                ep = _Episode(task, record_video, max_macro_steps)
+                ep = _Episode(task, record_video, max_macro_steps, record_frames)
                 if ep.task.max_steps > env.steps_left - env.settle_steps:
                     raise RuntimeError("task budget exceeds the env horizon")
                 env.reset(init_state)  # renders the last settle step
@@ -251,8 +255,13 @@ class EnvPool:
         init_state: int,
         record_video: bool = False,
         max_macro_steps: int | None = None,
+        record_frames: bool = True,
     ) -> None:
-        """Begin an episode; a Query for `slot` follows. max_macro_steps None = the task's budget."""
+        """Begin an episode; a Query for `slot` follows. max_macro_steps None = the task's budget.
+
+        record_frames False (eval): the +4/+8 frames are not rendered; StepResult.frames then
+        repeats the chunk's query image, so only the image for the next query is rendered.
+        """
         s = self._slots[slot]
         if s.busy:
             raise RuntimeError(f"slot {slot} already runs an episode")
@@ -260,7 +269,8 @@ class EnvPool:
             if s.process is not None:
                 self._mark_crashed(slot, "died while idle")
             self._spawn(slot)
-        self._send(slot, ("start", task, int(init_state), bool(record_video), max_macro_steps))
+        msg = ("start", task, int(init_state), bool(record_video), max_macro_steps, record_frames)
+        self._send(slot, msg)
 
     def send_chunk(self, slot: int, actions: np.ndarray) -> None:
         """Execute `replan` env actions (float64 [replan, 7], already in env units)."""
