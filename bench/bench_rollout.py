@@ -7,7 +7,9 @@ Both modes run the same episodes (one task, init states 0, 1, ...) on one EnvPoo
 processes are created and warmed up first, and render exactly the same frames (query
 image, +4 / +8 frames). "env only" answers every query at once with the hold-still action:
 the rate the CPU cores allow. "policy" answers with the mixed ODE/SDE sampler over the
-tiny model (prefill + K steps, batched over every waiting env), as the rollout stage does.
+tiny model (prefill + K steps, batched over every waiting env), as the rollout stage does;
+on CUDA a third row replays each query as a CUDA graph (wamrl/graphed.py), the stage's
+default there (graphs are captured during that run, once per batch size seen).
 The ratio policy / env-only is what the policy costs; 1.0 means it costs nothing.
 """
 
@@ -90,10 +92,11 @@ def main() -> None:
     stats = REPO / cfg["policy"]["stats"]
     normalizer = Normalizer.load(stats)
     specs = [EpisodeSpec(task, i % task.n_init_states, i) for i in range(args.episodes)]
-    sampler = SamplerSettings(args.K, cfg["sampler"]["noise_a"], cfg["sampler"]["shift"])
     console = Console()
 
-    def policy_run() -> int:
+    def policy_run(graphs: bool = False) -> int:
+        s = cfg["sampler"]
+        sampler = SamplerSettings(args.K, s["noise_a"], s["shift"], cuda_graphs=graphs)
         out = run_episodes(
             policy, pool, specs, context.to(device), mask.to(device), normalizer, sampler,
             args.macro_steps, seed=0, on_episode=lambda i, d: None, device=device,
@@ -105,10 +108,13 @@ def main() -> None:
         warm = [EpisodeSpec(task, 0, 0)] * args.envs
         env_only(pool, warm, 1)  # create the env in every process before timing
         rows = []
-        for name, fn in (
+        modes = [
             ("env only", lambda: env_only(pool, specs, args.macro_steps)),
             ("policy", policy_run),
-        ):
+        ]
+        if device.type == "cuda":  # the rollout stage's CUDA path (sampler.cuda_graphs)
+            modes.append(("policy, CUDA graphs", lambda: policy_run(graphs=True)))
+        for name, fn in modes:
             t0 = time.perf_counter()
             steps = fn()
             rows.append((name, steps, time.perf_counter() - t0))
