@@ -21,21 +21,30 @@ from wamrl.envs.tasks import tasks_in_suites
 from wamrl.runtime import pick_device, set_gl_backend
 
 
-def summarise(tasks, episodes: list[tuple[int, bool]]) -> dict[str, Any]:
-    """Per-task and per-suite success rates; the average is over tasks (suites weigh by size)."""
-    by_task: dict[int, list[bool]] = defaultdict(list)
-    for task_index, success in episodes:
-        by_task[task_index].append(success)
+def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
+    """Per-task and per-suite success rates; the average is over tasks (suites weigh by size).
+
+    episodes: (task index, success, env crashed); a crashed episode counts as a failure and
+    is reported per task, so a broken env cannot pass for a weak policy unnoticed."""
+    by_task: dict[int, list[tuple[bool, bool]]] = defaultdict(list)
+    for task_index, success, crashed in episodes:
+        by_task[task_index].append((success, crashed))
     out_tasks = {}
     suite_rates: dict[str, list[float]] = defaultdict(list)
     for t in tasks:
         res = by_task[t.index]
-        rate = float(np.mean(res)) if res else 0.0
-        out_tasks[t.name] = {"suite": t.suite, "success_rate": rate, "episodes": len(res)}
+        rate = float(np.mean([s for s, _ in res])) if res else 0.0
+        out_tasks[t.name] = {
+            "suite": t.suite,
+            "success_rate": rate,
+            "episodes": len(res),
+            "env_crashed": sum(c for _, c in res),
+        }
         suite_rates[t.suite].append(rate)
     suites = {s: float(np.mean(r)) for s, r in suite_rates.items()}
     average = float(np.mean([v["success_rate"] for v in out_tasks.values()]))
-    return {"tasks": out_tasks, "suites": suites, "average": average}
+    crashed = sum(v["env_crashed"] for v in out_tasks.values())
+    return {"tasks": out_tasks, "suites": suites, "average": average, "env_crashed": crashed}
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
@@ -74,11 +83,11 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     policy = load_policy(policy_dir, device=device).eval()
     context, mask = load_contexts(policy_dir / "context.safetensors")
     normalizer = Normalizer.load(policy_dir / "stats.json")
-    results: list[tuple[int, bool]] = []
+    results: list[tuple[int, bool, bool]] = []
     videos: dict[int, np.ndarray] = {}
 
     def on_episode(i: int, data) -> None:
-        results.append((data.task, bool(data.success)))
+        results.append((data.task, bool(data.success), bool(data.env_crashed)))
         if data.video_frames is not None:
             videos[i] = data.video_frames
 

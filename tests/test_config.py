@@ -10,7 +10,7 @@ from wamrl.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrid
 def test_default_is_valid_and_complete():
     cfg = load_config()
     assert cfg == read_yaml(DEFAULT_CONFIG)
-    assert cfg["sampler"] == {"K": 8, "noise_a": 0.5, "shift": 5.0}
+    assert cfg["sampler"] == {"K": 8, "noise_a": 0.5, "shift": 5.0, "cuda_graphs": True}
 
 
 def test_seed_table_defaults_match_the_design():

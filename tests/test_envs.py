@@ -341,3 +341,28 @@ def test_pool_frames_and_crash_recovery(env):
         pool.send_chunk(0, actions)
         (result,) = next_events(pool, StepResult)
         assert result.done and (result.frames == query.image[None]).all()
+
+
+def test_pool_reuses_an_env_after_a_full_budget_episode(env):
+    """A libero_10 episode uses 700 of the env's 1000 steps; the next episode in the same
+    process must start (the horizon is checked after the reset, not before)."""
+    from wamrl.envs.pool import EnvPool, Query, StepResult
+
+    task = load_tasks()[30]
+    cfg = {"mujoco_gl": os.environ["MUJOCO_GL"], "render_size": 128, "settle_steps": 30,
+           "replan_steps": 10}  # fmt: skip
+    hold = np.zeros((10, 7))
+    hold[:, 6] = -1.0
+    with EnvPool(1, STATS, cfg) as pool:
+        for episode in range(2):
+            pool.start_episode(0, task, episode, record_frames=False)
+            steps, done = 0, False
+            while not done:
+                for ev in pool.poll(120):
+                    if isinstance(ev, Query):
+                        pool.send_chunk(0, hold)
+                        continue
+                    assert isinstance(ev, StepResult), ev
+                    steps += ev.env_steps
+                    done = ev.done
+            assert steps == task.max_steps == 700

@@ -205,6 +205,11 @@ def run_episodes(
                 elif isinstance(ev, Crashed):
                     crashed = True
                     stats["crashed"] += 1
+                    last = ev.error.strip().splitlines()[-1] if ev.error.strip() else "?"
+                    bar.console.print(
+                        f"[yellow]env crashed: task {ep.spec.task.index}, init state "
+                        f"{ep.spec.init_state}, macro-step {len(ep.frames)}: {last}"
+                    )
                 else:  # pragma: no cover - the pool has three event kinds
                     raise TypeError(f"unknown pool event {ev!r}")
                 data = ep.finish(crashed)

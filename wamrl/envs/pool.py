@@ -161,9 +161,14 @@ def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
                         msaa=bool(cfg_env.get("msaa", False)),
                     )
                 ep = _Episode(task, record_video, max_macro_steps, record_frames)
-                if ep.task.max_steps > env.steps_left - env.settle_steps:
-                    raise RuntimeError("task budget exceeds the env horizon")
                 env.reset(init_state)  # renders the last settle step
+                # Checked after the reset: before it, steps_left still counts the last
+                # episode's steps (a reused env after a full 700-step libero_10 episode).
+                if ep.task.max_steps > env.steps_left:
+                    raise RuntimeError(
+                        f"{task.name}: budget {ep.task.max_steps} exceeds the {env.steps_left} "
+                        "env steps left after the reset"
+                    )
                 ep.last_image = env.render()
                 conn.send(("query", ep.last_image, env.proprio()))
             elif kind == "chunk":
