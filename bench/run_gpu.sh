@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU benchmark of issue #7 in one run, on a machine like the H200 box (16 cores).
+#
+#   bash bench/run_gpu.sh [BUNDLE_DIR] [WHEEL_DIR]
+#
+# BUNDLE_DIR: the parts of `python scripts/libero_bundle.py build` (unpacked once to
+# /root/lb); WHEEL_DIR: wheels for what the box lacks (zarr, numcodecs, jsonschema, ...),
+# installed into /root/site without an index. Where LIBERO and the wheels are installed
+# already, run it with no arguments. Figures go to stdout; COLUMNS keeps rich tables whole.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export COLUMNS=${COLUMNS:-200} PYTHONUNBUFFERED=1 MUJOCO_GL=egl
+if [[ $# -ge 1 ]]; then
+  [[ -d /root/lb/site ]] || python3 scripts/libero_bundle.py unpack "$1" /root/lb
+  # shellcheck disable=SC1091
+  source /root/lb/env.sh
+fi
+if [[ $# -ge 2 ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /root/site "$2"/*.whl
+  export PYTHONPATH=/root/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+cores=$(nproc)
+run() { echo; echo "== $*"; "$@"; }
+
+# Query latency, eager vs CUDA graph (prefill + K = 8), batch 1 and 32.
+run python3 bench/bench_policy.py --device cuda --batch 1 32
+run python3 bench/bench_policy.py --device cuda --batch 1 32 --config configs/fullsize.yaml --repeats 10
+# Rollout vs the env-only limit of the same env processes, one env per core.
+run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) --macro-steps 10
+run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) \
+  --macro-steps 10 --config configs/fullsize.yaml
+# Eval of all 40 tasks: batched over the cores vs a sequential single-env loop.
+run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy --max-macro-steps 10
+# Learner: PPO macro-steps/s, fp32 and bf16, tiny and full-size (with MFU).
+run python3 bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
+run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 128 --minibatch 32
