@@ -8,8 +8,8 @@
 A macro-step is one stored query (image, proprio, x_k*, x_k*+1, log pi_old, advantage).
 The update is wamrl.ppo.actor_update as the actor stage runs it: the log pi check over all
 steps, then actor.epochs epochs of minibatches (prefill under no_grad, the action expert's
-step with gradients, fp32 log-probs). Data are random but self-consistent (log pi_old is
-the policy's own), so the check passes. FLOPs are counted once per minibatch with torch's
+step with gradients, fp32 log-probs). Data are random but self-consistent (x_k*+1 is the
+policy's own SDE step from a random x_k*, log pi_old its own log pi), so the check passes. FLOPs are counted once per minibatch with torch's
 FlopCounterMode (forward + backward); utilisation is against --peak-tflops (H200 dense
 bf16: 989). Each precision (--amp fp32 bf16, i.e. actor.amp) starts from the same weights;
 the last column is how far its log pi lies from float32's on the first minibatch.
@@ -29,6 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from wamrl.config import load_config
 from wamrl.policy import build_policy
 from wamrl.ppo import AMP_DTYPES, ActorData, _log_prob, actor_update
+from wamrl.sampler import sde_mean_std, sigma_schedule
 
 
 def refresh_logp_old(policy, data: ActorData, batch: int, device) -> None:
@@ -58,8 +59,26 @@ def synthetic_data(policy, n: int, K: int, a: float, shift: float, batch: int, d
         noise_a=a,
         shift=shift,
     )
+    sample_x_next(policy, data, batch, device, rng)
     refresh_logp_old(policy, data, batch, device)
     return data
+
+
+def sample_x_next(policy, data: ActorData, batch: int, device, rng: np.random.Generator) -> None:
+    """x_{k*+1} := the policy's own SDE step from x_{k*}, as a rollout stores it (so that
+    (x_{k*+1} - mu) / std ~ N(0, 1): the log pi differences then mean what they would in PPO)."""
+    sigmas = sigma_schedule(data.K, data.shift)
+    with torch.no_grad():
+        for s in range(0, len(data), batch):
+            idx = np.arange(s, min(s + batch, len(data)))
+            obs = data.obs(idx, device)
+            x_k = data.tensor("x_k", idx, device)
+            k = torch.from_numpy(data.k_star[idx])
+            s_k, s_next = sigmas[k].to(device), sigmas[k + 1].to(device)
+            v = policy.velocity(policy.prefill(obs), x_k, s_k)
+            mu, std = sde_mean_std(x_k, v, s_k, s_next, data.noise_a)
+            xi = torch.from_numpy(rng.normal(size=tuple(mu.shape)).astype(np.float32)).to(device)
+            data.x_next[idx] = (mu + std * xi).cpu().numpy()
 
 
 def main() -> None:
