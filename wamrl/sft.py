@@ -42,8 +42,12 @@ class Batches:
         return self.context[t].to(self.device), self.context_mask[t].to(self.device)
 
     def _pixels(self, img: np.ndarray) -> Tensor:
-        # uint8 to the device first: a quarter of the bytes, and the float maths runs there
-        return image_to_model_input(torch.from_numpy(img).to(self.device))
+        # uint8 to the device first: a quarter of the bytes, and the float maths runs there.
+        # Pinned + non_blocking on CUDA: the host goes on to the next batch meanwhile.
+        t = torch.from_numpy(img)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return image_to_model_input(t.to(self.device, non_blocking=True))
 
     def _state(self, e: int, t: int) -> np.ndarray:
         s = self.demos.state[e]
@@ -118,6 +122,8 @@ def train(
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         opt.step()
+        # Read losses back (a GPU sync) only at log steps, so that the next batch is
+        # assembled on the CPU while the GPU still works on this one.
         if step % cfg["log_every"] == 0 or step == cfg["steps"] - 1:
             log.append(
                 {
@@ -128,8 +134,10 @@ def train(
                     "lr": opt.param_groups[0]["lr"],
                 }
             )
+            if progress is not None:
+                progress.update(task, info=f"action loss {log[-1]['action_loss']:.4f}")
         if progress is not None:
-            progress.update(task, advance=1, info=f"action loss {loss_a.item():.4f}")
+            progress.update(task, advance=1)
     policy.eval()
     return log
 
