@@ -128,6 +128,18 @@ def query_chunks(
     )
 
 
+def next_spec(todo_tasks: list[int], slot_task: int | None, busy_tasks: set[int]) -> int:
+    """Which waiting episode a freed slot runs: one of the task its env already holds (no
+    env to build: a LIBERO env takes seconds to create, and in lockstep every other env
+    waits for it), else one of a task no running episode has (each task stays on one env),
+    else the first waiting. Indices are into todo_tasks, the waiting episodes' tasks."""
+    for want in (lambda t: t == slot_task, lambda t: t not in busy_tasks):
+        for j, t in enumerate(todo_tasks):
+            if want(t):
+                return j
+    return 0
+
+
 def run_episodes(
     policy: Policy,
     pool: EnvPool,
@@ -159,13 +171,17 @@ def run_episodes(
     graphed = None
     if sampler.cuda_graphs and torch.device(device).type == "cuda":
         graphed = GraphedSampler(policy, sampler.K, sampler.a, sampler.shift, len(pool))
-    todo = list(enumerate(specs))[::-1]
+    todo = list(enumerate(specs))
     running: dict[int, _Running] = {}
+    env_task: dict[int, int] = {}  # the task whose env each slot's process holds
     replan = pool.replan
     stats = {"queries": 0, "batches": 0, "env_steps": 0, "crashed": 0}
 
     def start(slot: int) -> None:
-        i, spec = todo.pop()
+        busy = {ep.spec.task.index for ep in running.values()}
+        j = next_spec([s.task.index for _, s in todo], env_task.get(slot), busy)
+        i, spec = todo.pop(j)
+        env_task[slot] = spec.task.index
         gen = None
         if spec.noise_seed is not None:
             gen = torch.Generator(device="cpu").manual_seed(spec.noise_seed)
@@ -205,6 +221,7 @@ def run_episodes(
                 elif isinstance(ev, Crashed):
                     crashed = True
                     stats["crashed"] += 1
+                    env_task.pop(ev.slot, None)  # a fresh process builds its env anew
                     last = ev.error.strip().splitlines()[-1] if ev.error.strip() else "?"
                     bar.console.print(
                         f"[yellow]env crashed: task {ep.spec.task.index}, init state "
