@@ -302,10 +302,7 @@ def open_drawer(ctx: Ctx, joint: str) -> Actions:
     p, _ = sc.ee()
     high = max(p[2], h[2] + 0.12)
     pre = h + o * 0.12
-    yield from lift_to(ctx, high)
-    yield from move(ctx, [pre[0], pre[1], high], tol=0.015)
-    yield from move(ctx, [pre[0], pre[1], high], R, tol=0.01, rot_tol=0.05, max_steps=80)
-    yield from move(ctx, pre, tol=0.008, max_pos=0.6)
+    yield from _approach_at_height(ctx, pre, R, high)
     yield from move(ctx, h - o * 0.004, tol=0.005, max_pos=0.4, max_steps=80)
     yield from set_gripper(ctx, True, 12)
     for _ in range(4):  # pull in a few legs, re-reading the handle
@@ -314,11 +311,7 @@ def open_drawer(ctx: Ctx, joint: str) -> Actions:
         h_now, _ = _drawer_handle(ctx, joint)
         yield from move(ctx, h_now + o * 0.06, tol=0.01, max_pos=0.5, max_steps=40)
     yield from set_gripper(ctx, False, 8)
-    p, _ = sc.ee()
-    yield from move(ctx, p + o * 0.08, tol=0.015, max_steps=30)
-    p, _ = sc.ee()
-    yield from move(ctx, [p[0], p[1], p[2] + 0.1], tol=0.02, max_steps=40)
-    yield from move(ctx, sc.ee()[0], down_orientation(0.0), tol=0.05, rot_tol=0.1, max_steps=60)
+    yield from _back_off_and_rise(ctx, o, out_steps=30, up_steps=40)
     return drawer_is_open(ctx, joint)
 
 
@@ -333,21 +326,35 @@ def close_drawer(ctx: Ctx, joint: str) -> Actions:
     p, _ = sc.ee()
     start = h + o * 0.05
     high = max(p[2], h[2] + 0.15)
-    yield from lift_to(ctx, high)
-    yield from move(ctx, [start[0], start[1], high], tol=0.015)
-    yield from move(ctx, [start[0], start[1], high], R, tol=0.01, rot_tol=0.05, max_steps=80)
-    yield from move(ctx, start, tol=0.008, max_pos=0.6)
+    yield from _approach_at_height(ctx, start, R, high)
     for _ in range(8):
         if drawer_is_closed(ctx, joint):
             break
         h_now, _ = _drawer_handle(ctx, joint)
         yield from move(ctx, h_now + a * 0.06, tol=0.01, max_pos=0.6, max_steps=20)
-    p, _ = sc.ee()
-    yield from move(ctx, p + o * 0.08, tol=0.015, max_steps=25)
-    p, _ = sc.ee()
-    yield from move(ctx, [p[0], p[1], p[2] + 0.1], tol=0.02, max_steps=30)
-    yield from move(ctx, sc.ee()[0], down_orientation(0.0), tol=0.05, rot_tol=0.1, max_steps=60)
+    yield from _back_off_and_rise(ctx, o, out_steps=25, up_steps=30)
     return drawer_is_closed(ctx, joint)
+
+
+def _approach_at_height(ctx: Ctx, target: np.ndarray, R: np.ndarray, high: float) -> Actions:
+    """Rise to `high`, go above `target`, turn to R there, then descend onto it."""
+    yield from lift_to(ctx, high)
+    yield from move(ctx, [target[0], target[1], high], tol=0.015)
+    yield from move(ctx, [target[0], target[1], high], R, tol=0.01, rot_tol=0.05, max_steps=80)
+    return (yield from move(ctx, target, tol=0.008, max_pos=0.6))
+
+
+def _back_off_and_rise(ctx: Ctx, o: np.ndarray, out_steps: int, up_steps: int) -> Actions:
+    """8 cm out along the drawer's opening direction o, 10 cm up, then the hand down again."""
+    p, _ = ctx.sc.ee()
+    yield from move(ctx, p + o * 0.08, tol=0.015, max_steps=out_steps)
+    p, _ = ctx.sc.ee()
+    yield from move(ctx, [p[0], p[1], p[2] + 0.1], tol=0.02, max_steps=up_steps)
+    return (
+        yield from move(
+            ctx, ctx.sc.ee()[0], down_orientation(0.0), tol=0.05, rot_tol=0.1, max_steps=60
+        )
+    )
 
 
 def _hinge_of(ctx: Ctx, obj: str) -> str:
