@@ -3,6 +3,7 @@
 Attempts are (task, init state) for every task of demos.suites that has an expert and init
 states 0 .. demos.init_states - 1, split over the W workers in contiguous blocks. Only successful
 episodes are stored; the store's attrs keep every attempt's outcome (the expert table).
+With demos.action_noise > 0 the env executes noisy expert actions (wamrl.demos.record).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from wamrl.envs.tasks import Task, tasks_in_suites
 from wamrl.runtime import set_gl_backend
@@ -51,7 +54,10 @@ def main(cfg: dict[str, Any], run_dir: Path, worker: int) -> None:
                 if env is not None:
                     env.close()
                 env = LiberoEnv(task, e["render_size"], e["settle_steps"], seed=cfg["seed"])
-            demo, steps = record(env, make_expert(task), init, task.max_steps)
+            rng = np.random.default_rng([cfg["seed"], task.index, init])  # per attempt
+            demo, steps = record(
+                env, make_expert(task), init, task.max_steps, cfg["demos"]["action_noise"], rng
+            )
             table.append({"task": task.index, "init_state": init, "success": demo is not None,
                           "steps": steps})  # fmt: skip
             if demo is not None:

@@ -45,7 +45,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     device = pick_device(cfg)
     torch.manual_seed(cfg["seed"])
     policy = build_policy(cfg).to(device)
-    batches = Batches(demos, norm, context, mask, device)
+    batches = Batches(demos, norm, context, mask, device, cfg["sft"]["augment_shift"])
     with progress_bar() as bar:
         log = train(policy, batches, cfg["sft"], cfg["seed"], progress=bar)
     out = run_dir / "sft" / "policy"

@@ -21,7 +21,7 @@ from wamrl.demos import (
 )
 from wamrl.envs.conventions import Normalizer
 from wamrl.policy.tiny import TinyConfig, TinyWAM
-from wamrl.sft import Batches, lr_at, train
+from wamrl.sft import Batches, lr_at, random_shift, train
 from wamrl.store import StoreError
 
 
@@ -111,7 +111,7 @@ SFT = {
 }  # fmt: skip
 
 
-def batches(demos: list[Demo]) -> Batches:
+def batches(demos: list[Demo], augment_shift: int = 0) -> Batches:
     ds = DemoSet(
         np.array([d.task for d in demos], np.int32),
         np.array([d.length for d in demos], np.int32),
@@ -124,7 +124,7 @@ def batches(demos: list[Demo]) -> Batches:
         40, CFG.text_max_len, CFG.text_dim, generator=torch.Generator().manual_seed(0)
     )
     mask = torch.ones(40, CFG.text_max_len, dtype=torch.bool)
-    return Batches(ds, Normalizer(demo_stats(ds)), ctx, mask, torch.device("cpu"))
+    return Batches(ds, Normalizer(demo_stats(ds)), ctx, mask, torch.device("cpu"), augment_shift)
 
 
 def test_batches_are_the_normalised_chunks() -> None:
@@ -164,3 +164,90 @@ def test_sft_lowers_both_losses() -> None:
     )
     assert last[0] < 0.8 * first[0] and last[1] < first[1]
     assert not policy.training
+
+
+def test_random_shift_moves_each_view_by_its_own_offset() -> None:
+    img = torch.randn(3, 3, 224, 448)
+    out = random_shift(img, 5, torch.Generator().manual_seed(1))
+    dy, dx = torch.randint(-5, 6, (2, 6, 1), generator=torch.Generator().manual_seed(1))
+    assert dy.abs().sum() + dx.abs().sum() > 0
+    idx = np.arange(224)
+    for b in range(3):
+        for v in range(2):  # view v of image b is row 2b + v of the offsets
+            view = img[b, :, :, 224 * v : 224 * (v + 1)].numpy()
+            rows = np.clip(idx + int(dy[2 * b + v]), 0, 223)
+            cols = np.clip(idx + int(dx[2 * b + v]), 0, 223)
+            want = view[:, rows][:, :, cols]
+            np.testing.assert_array_equal(out[b, :, :, 224 * v : 224 * (v + 1)].numpy(), want)
+    assert random_shift(img, 0, torch.Generator()) is img
+
+
+def test_augmented_batches_shift_the_images_only() -> None:
+    demos = [fake_demo(5, 25, 0), fake_demo(9, 14, 1)]
+    plain, shifted = batches(demos), batches(demos, augment_shift=8)
+    gen = torch.Generator().manual_seed(3)
+    (o1, t1), (o2, t2) = (
+        plain.actions(np.random.default_rng(0), 4),
+        shifted.actions(np.random.default_rng(0), 4, gen),
+    )
+    torch.testing.assert_close(t1, t2)
+    torch.testing.assert_close(o1.proprio, o2.proprio)
+    torch.testing.assert_close(
+        o2.image, random_shift(o1.image, 8, torch.Generator().manual_seed(3))
+    )
+    assert not torch.equal(o1.image, o2.image)
+
+
+class _LineEnv:
+    """A 1-D stand-in for LiberoEnv: position += executed x action; success past 1.0."""
+
+    task = type("Task", (), {"index": 0})
+
+    def __init__(self) -> None:
+        self.x, self.executed = 0.0, []
+
+    def reset(self, init_state: int) -> None:
+        self.x, self.executed = 0.0, []
+
+    def render(self) -> np.ndarray:
+        return np.zeros((224, 448, 3), np.uint8)
+
+    def proprio(self) -> np.ndarray:
+        return np.full(8, self.x, np.float32)
+
+    def step(self, action: np.ndarray, render: bool) -> bool:
+        self.executed.append(action.copy())
+        self.x += 0.1 * action[0]
+        return self.x >= 1.0
+
+
+class _Feedback:
+    """Drives x toward 1.2 with gain 2 (a feedback expert, like the scripted ones)."""
+
+    done = False
+
+    def reset(self, env: _LineEnv) -> None:
+        pass
+
+    def act(self, env: _LineEnv) -> np.ndarray:
+        return np.array([np.clip(2 * (1.2 - env.x), -1, 1), 0, 0, 0, 0, 0, 1.0])
+
+
+def test_dart_noise_is_executed_but_not_recorded() -> None:
+    from wamrl.demos import record
+
+    env = _LineEnv()
+    demo, steps = record(env, _Feedback(), 0, 100, 0.3, np.random.default_rng(7))
+    assert demo is not None and steps == demo.length
+    executed = np.stack(env.executed)
+    noise = np.random.default_rng(7).normal(0.0, 0.3, (steps, 6))
+    # the labels are the expert's answer to the state the noisy actions led to
+    labels = np.clip(2 * (1.2 - demo.state[:, 0]), -1, 1)
+    np.testing.assert_allclose(demo.action[:, 0], labels, atol=1e-6)
+    np.testing.assert_allclose(
+        executed[:, :6], np.clip(demo.action[:, :6] + noise, -1, 1), atol=1e-6
+    )
+    np.testing.assert_array_equal(executed[:, 6], 1.0)  # the gripper is never perturbed
+    clean, _ = record(env, _Feedback(), 0, 100)
+    assert clean is not None
+    np.testing.assert_allclose(np.stack(env.executed)[:, 0], clean.action[:, 0], atol=1e-6)

@@ -69,8 +69,20 @@ def rendered_steps(length: int) -> set[int]:
     return set(range(0, length, QUERY_EVERY)) | set(range(0, length + 1, VIDEO_STRIDE))
 
 
-def record(env: Any, expert: Any, init_state: int, max_steps: int) -> tuple[Demo | None, int]:
+def record(
+    env: Any,
+    expert: Any,
+    init_state: int,
+    max_steps: int,
+    action_noise: float = 0.0,
+    rng: np.random.Generator | None = None,
+) -> tuple[Demo | None, int]:
     """Run the expert from `init_state`; the Demo if LIBERO reports success, else None.
+
+    action_noise > 0 is DART-style noise injection: the env executes the expert's action plus
+    N(0, action_noise^2) on the six arm dims (clipped to [-1, 1]), while the demo records the
+    expert's own action. The expert is a feedback controller, so the demos then show how it
+    corrects the small deviations a cloned policy makes, not only the one perfect path.
 
     Observation t (before env step t) is rendered only when it is stored: step t - 1 renders
     it (reset renders observation 0). Returns (demo or None, env steps taken)."""
@@ -88,8 +100,13 @@ def record(env: Any, expert: Any, init_state: int, max_steps: int) -> tuple[Demo
             frames.append(env.render())
         states.append(env.proprio())
         a = np.asarray(expert.act(env), np.float64)
+        executed = a
+        if action_noise > 0:
+            assert rng is not None, "action noise needs an rng"
+            executed = a.copy()
+            executed[:6] = np.clip(a[:6] + rng.normal(0.0, action_noise, 6), -1.0, 1.0)
         nxt = t + 1
-        success = env.step(a, render=nxt % QUERY_EVERY == 0 or nxt % VIDEO_STRIDE == 0)
+        success = env.step(executed, render=nxt % QUERY_EVERY == 0 or nxt % VIDEO_STRIDE == 0)
         data_action = a.astype(np.float32)
         data_action[-1] = gripper_from_env(np.sign(a[-1]) if a[-1] != 0 else -1.0)
         actions.append(data_action)

@@ -8,6 +8,7 @@ target the next 32 actions, normalised) + video flow matching on a batch of wind
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +21,47 @@ from wamrl.envs.conventions import Normalizer, image_to_model_input
 from wamrl.policy.base import Obs, Policy
 
 
+def random_shift(img: Tensor, pad: int, generator: torch.Generator) -> Tensor:
+    """Shift each camera view (the two 224 x 224 halves of [B, 3, 224, 448]) by its own
+    random whole-pixel offset in [-pad, pad] per axis, edges repeated (DrQ's augmentation).
+    out[y, x] = view[clamp(y + dy), clamp(x + dx)]; offsets come from `generator` (CPU)."""
+    if pad == 0:
+        return img
+    b, c, h, w2 = img.shape
+    w, n = w2 // 2, 2 * b
+    views = img.view(b, c, h, 2, w).transpose(1, 3).reshape(n, h, c, w)  # [n, h, c, w]
+    dy, dx = torch.randint(-pad, pad + 1, (2, n, 1), generator=generator).to(img.device)
+    rows = (torch.arange(h, device=img.device) + dy).clamp(0, h - 1)  # [n, h]
+    cols = (torch.arange(w, device=img.device) + dx).clamp(0, w - 1)  # [n, w]
+    views = views.gather(1, rows[:, :, None, None].expand(n, h, c, w))
+    views = views.gather(3, cols[:, None, None, :].expand(n, h, c, w))
+    return views.view(b, 2, h, c, w).transpose(1, 3).reshape(b, c, h, w2)
+
+
+def _flat_pixels(per_episode: list[np.ndarray], device: torch.device) -> tuple[Tensor, np.ndarray]:
+    """Every episode's uint8 images in one tensor on `device` + each episode's first row.
+    Copied episode by episode, so the host never holds a second full copy."""
+    starts = np.cumsum([0] + [len(x) for x in per_episode])
+    flat = torch.empty(
+        (int(starts[-1]), *per_episode[0].shape[1:]), dtype=torch.uint8, device=device
+    )
+    for x, s in zip(per_episode, starts[:-1], strict=True):
+        flat[s : s + len(x)] = torch.from_numpy(x)
+    return flat, starts[:-1]
+
+
 @dataclass
 class Batches:
-    """Samples SFT batches from a DemoSet (uint8 in memory), normalised for the model."""
+    """Samples SFT batches from a DemoSet, normalised for the model. The uint8 pixels live
+    on `device` (a few GB for hundreds of demos: nothing for a GPU), so a step gathers its
+    images there instead of stacking and copying them on the host."""
 
     demos: DemoSet
     norm: Normalizer
     context: Tensor  # [40, L, Dc] per task
     context_mask: Tensor  # [40, L]
     device: torch.device
+    augment_shift: int = 0  # sft.augment_shift: random shift of action-loss images
 
     def __post_init__(self) -> None:
         # Every (episode, query) pair; and every video window start (episode, frame).
@@ -36,31 +69,34 @@ class Batches:
             [(e, q) for e, ims in enumerate(self.demos.images) for q in range(len(ims))]
         )
         self.video_lengths = np.array([len(f) for f in self.demos.frames])
+        self.images, self.image_start = _flat_pixels(self.demos.images, self.device)
+        self.frames, self.frame_start = _flat_pixels(self.demos.frames, self.device)
 
     def _ctx(self, tasks: np.ndarray) -> tuple[Tensor, Tensor]:
         t = torch.as_tensor(tasks, dtype=torch.long)
         return self.context[t].to(self.device), self.context_mask[t].to(self.device)
 
-    def _pixels(self, img: np.ndarray) -> Tensor:
-        # uint8 to the device first: a quarter of the bytes, and the float maths runs there.
-        # Pinned + non_blocking on CUDA: the host goes on to the next batch meanwhile.
-        t = torch.from_numpy(img)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return image_to_model_input(t.to(self.device, non_blocking=True))
+    def _pixels(self, flat: Tensor, rows: np.ndarray) -> Tensor:
+        return image_to_model_input(flat[torch.as_tensor(rows, device=self.device)])
 
     def _state(self, e: int, t: int) -> np.ndarray:
         s = self.demos.state[e]
         return s[min(t, len(s) - 1)]
 
-    def actions(self, rng: np.random.Generator, batch: int) -> tuple[Obs, Tensor]:
+    def actions(
+        self, rng: np.random.Generator, batch: int, generator: torch.Generator | None = None
+    ) -> tuple[Obs, Tensor]:
+        """generator draws the augmentation shifts (needed when augment_shift > 0)."""
         pick = self.queries[rng.integers(len(self.queries), size=batch)]
-        img = np.stack([self.demos.images[e][q] for e, q in pick])
+        image = self._pixels(self.images, self.image_start[pick[:, 0]] + pick[:, 1])
+        if self.augment_shift:
+            assert generator is not None, "augmentation needs a torch generator"
+            image = random_shift(image, self.augment_shift, generator)
         state = np.stack([self._state(e, q * QUERY_EVERY) for e, q in pick])
         chunks = np.stack([action_chunk(self.demos.action[e], q * QUERY_EVERY) for e, q in pick])
         ctx, mask = self._ctx(self.demos.task[pick[:, 0]])
         obs = Obs(
-            image=self._pixels(img),
+            image=image,
             proprio=torch.as_tensor(self.norm.normalize_state(state), device=self.device),
             context=ctx,
             context_mask=mask,
@@ -76,13 +112,11 @@ class Batches:
         if not len(long_enough):
             return None
         eps = rng.choice(long_enough, size=batch)
-        clips, states = [], []
-        for e in eps:
-            j = int(rng.integers(len(self.demos.frames[e]) - frames + 1))
-            clips.append(self.demos.frames[e][j : j + frames])
-            states.append(self._state(e, j * VIDEO_STRIDE))
+        starts = np.array([int(rng.integers(self.video_lengths[e] - frames + 1)) for e in eps])
+        rows = (self.frame_start[eps] + starts)[:, None] + np.arange(frames)  # [B, F]
+        states = [self._state(e, j * VIDEO_STRIDE) for e, j in zip(eps, starts, strict=True)]
         ctx, mask = self._ctx(self.demos.task[eps])
-        video = self._pixels(np.stack(clips))
+        video = self._pixels(self.frames, rows)
         proprio = torch.as_tensor(self.norm.normalize_state(np.stack(states)), device=self.device)
         return video, ctx, mask, proprio
 
@@ -105,11 +139,12 @@ def train(
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     policy.train()
     log: list[dict[str, float]] = []
+    t0 = time.perf_counter()
     task = progress.add_task("sft", total=cfg["steps"], info="") if progress is not None else None
     for step in range(cfg["steps"]):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup"])
-        obs, target = batches.actions(rng, cfg["batch"])
+        obs, target = batches.actions(rng, cfg["batch"], gen)
         loss_a = policy.action_loss(obs, target, generator=gen)
         loss = loss_a
         loss_v = torch.zeros(())
@@ -132,6 +167,7 @@ def train(
                     "video_loss": loss_v.item(),
                     "grad_norm": float(gnorm),
                     "lr": opt.param_groups[0]["lr"],
+                    "elapsed_s": time.perf_counter() - t0,
                 }
             )
             if progress is not None:
@@ -142,4 +178,4 @@ def train(
     return log
 
 
-__all__ = ["Batches", "lr_at", "n_frames", "train"]
+__all__ = ["Batches", "lr_at", "n_frames", "random_shift", "train"]
