@@ -37,6 +37,10 @@ def main() -> None:
     p.add_argument("--max-macro-steps", type=int, default=None, help="cap (default: full budget)")
     p.add_argument("--config", nargs="*", default=[], help="YAML files over default.yaml")
     p.add_argument("--skip-sequential", action="store_true")
+    p.add_argument(
+        "--context-cache", type=Path, default=None,
+        help="a minilm_{len}.safetensors of task contexts (for a machine without the encoder)",
+    )  # fmt: skip
     args = p.parse_args()
     os.environ.setdefault("MUJOCO_GL", "egl")
 
@@ -55,6 +59,9 @@ def main() -> None:
     if args.policy is not None:
         over["policy.base_checkpoint"] = str(args.policy.resolve())
     run = Path(tempfile.mkdtemp(prefix="bench_eval_"))
+    if args.context_cache is not None:
+        (run / "context").mkdir()
+        shutil.copy(args.context_cache, run / "context" / args.context_cache.name)
     try:
         stages.init.main(load_config(args.config, over), run)
         rows = []

@@ -31,7 +31,9 @@ run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) \
   --macro-steps 10 --config configs/fullsize.yaml
 # Eval of all 40 tasks: batched over the cores vs a sequential single-env loop.
-run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy --max-macro-steps 10
+# CONTEXT_CACHE: task contexts encoded elsewhere, where the box lacks the text encoder.
+run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy --max-macro-steps 10 \
+  ${CONTEXT_CACHE:+--context-cache "$CONTEXT_CACHE"}
 # Learner: PPO macro-steps/s, fp32 and bf16, tiny and full-size (with MFU).
 run python3 bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
 run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 128 --minibatch 32
