@@ -36,4 +36,6 @@ run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base
   ${CONTEXT_CACHE:+--context-cache "$CONTEXT_CACHE"}
 # Learner: PPO macro-steps/s, fp32 and bf16, tiny and full-size (with MFU).
 run python3 bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
-run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 128 --minibatch 32
+# Full size: one minibatch. With random 5 B weights, one Adam step moves log pi so far that
+# the next minibatch's ratio overflows (PPO's NonFiniteError guard stops it; seen on the H200).
+run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --epochs 1
