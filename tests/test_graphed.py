@@ -88,3 +88,13 @@ def test_cuda_graph_replay_equals_eager_and_recaptures_after_an_update() -> None
     ref, out = eager(9), sampler.query(obs, torch.Generator().manual_seed(9))
     assert sampler.captures == 2
     torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warm_up_captures_every_bucket_once() -> None:
+    policy, obs = _policy_and_obs(3)
+    policy, obs = policy.cuda(), obs.to("cuda")
+    sampler = GraphedSampler(policy, K=8, a=0.5, shift=5.0, max_batch=6)
+    assert sampler.warm_up(obs) == len(sampler.buckets) == 4  # 1, 2, 4, 6
+    sampler.query(obs, torch.Generator().manual_seed(1))  # batch 3 -> bucket 4: a replay
+    assert sampler.captures == 4

@@ -155,6 +155,7 @@ def run_episodes(
     description: str = "rollout",
     lockstep: bool = False,
     record_frames: bool = True,
+    graphed: GraphedSampler | None = None,
 ) -> dict[str, float]:
     """Run every spec to completion on the pool; `on_episode(i, data)` gets each finished one.
 
@@ -166,10 +167,12 @@ def run_episodes(
 
     A crashed env process ends its episode as failed and truncated (env_crashed); the pool
     restarts the process for the next episode and the run goes on.
+
+    graphed: a GraphedSampler to reuse (e.g. already warmed up); by default one is made here
+    when sampler.cuda_graphs and the device is CUDA.
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    graphed = None
-    if sampler.cuda_graphs and torch.device(device).type == "cuda":
+    if graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda":
         graphed = GraphedSampler(policy, sampler.K, sampler.a, sampler.shift, len(pool))
     todo = list(enumerate(specs))
     running: dict[int, _Running] = {}
