@@ -5,8 +5,11 @@
 
 "sequential" is the eval stage with one env: reset, query (batch 1), 10 env steps, query
 again, episode after episode, as Fast-WAM's own LIBERO eval loop does. "batched" is the
-same stage with --envs env processes whose queries are answered together. Both run the same
-episodes (same tasks, init states and noise seeds), so they also report the same success.
+same stage with --envs env processes whose queries are answered together: in lockstep (the
+default, eval.lockstep: every batch waits for all running envs, so reruns are bitwise equal)
+and async (eval.lockstep false: whoever waits is answered at once, so an env being built
+stalls no other). All run the same episodes (same tasks, init states and noise seeds);
+success can differ only through float effects of batch composition.
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ def main() -> None:
     try:
         stages.init.main(load_config(args.config, over), run)
         rows = []
-        modes = [("batched", args.envs)] + ([] if args.skip_sequential else [("sequential", 1)])
-        for name, envs in modes:
-            cfg = load_config(args.config, {**over, "eval.envs": envs})
+        modes = [("batched", args.envs, True), ("batched, async", args.envs, False)]
+        if not args.skip_sequential:
+            modes.append(("sequential", 1, True))
+        for name, envs, lockstep in modes:
+            cfg = load_config(args.config, {**over, "eval.envs": envs, "eval.lockstep": lockstep})
             t0 = time.perf_counter()
             stages.eval.main(cfg, run, iteration=0)
             wall = time.perf_counter() - t0

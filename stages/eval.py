@@ -106,7 +106,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             on_episode=on_episode,
             device=device,
             description=f"eval iter {iteration}",
-            lockstep=True,
+            lockstep=e["lockstep"],
             record_frames=False,  # eval scores success only: one render per chunk
         )
     report = {
