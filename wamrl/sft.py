@@ -30,7 +30,8 @@ def random_shift(img: Tensor, pad: int, generator: torch.Generator) -> Tensor:
     b, c, h, w2 = img.shape
     w, n = w2 // 2, 2 * b
     views = img.view(b, c, h, 2, w).transpose(1, 3).reshape(n, h, c, w)  # [n, h, c, w]
-    dy, dx = torch.randint(-pad, pad + 1, (2, n, 1), generator=generator).to(img.device)
+    shifts = torch.randint(-pad, pad + 1, (2, n, 1), generator=generator, device=generator.device)
+    dy, dx = shifts.to(img.device)
     rows = (torch.arange(h, device=img.device) + dy).clamp(0, h - 1)  # [n, h]
     cols = (torch.arange(w, device=img.device) + dx).clamp(0, w - 1)  # [n, w]
     views = views.gather(1, rows[:, :, None, None].expand(n, h, c, w))
@@ -71,13 +72,23 @@ class Batches:
         self.video_lengths = np.array([len(f) for f in self.demos.frames])
         self.images, self.image_start = _flat_pixels(self.demos.images, self.device)
         self.frames, self.frame_start = _flat_pixels(self.demos.frames, self.device)
+        self.context = self.context.to(self.device)
+        self.context_mask = self.context_mask.to(self.device)
+
+    def _put(self, x: np.ndarray) -> Tensor:
+        """Host array -> device. On CUDA through pinned memory, asynchronously: a copy from
+        pageable memory would wait for every queued kernel, once per tensor per step."""
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     def _ctx(self, tasks: np.ndarray) -> tuple[Tensor, Tensor]:
-        t = torch.as_tensor(tasks, dtype=torch.long)
-        return self.context[t].to(self.device), self.context_mask[t].to(self.device)
+        t = self._put(tasks.astype(np.int64))
+        return self.context[t], self.context_mask[t]
 
     def _pixels(self, flat: Tensor, rows: np.ndarray) -> Tensor:
-        return image_to_model_input(flat[torch.as_tensor(rows, device=self.device)])
+        return image_to_model_input(flat[self._put(rows.astype(np.int64))])
 
     def _state(self, e: int, t: int) -> np.ndarray:
         s = self.demos.state[e]
@@ -97,11 +108,11 @@ class Batches:
         ctx, mask = self._ctx(self.demos.task[pick[:, 0]])
         obs = Obs(
             image=image,
-            proprio=torch.as_tensor(self.norm.normalize_state(state), device=self.device),
+            proprio=self._put(self.norm.normalize_state(state).astype(np.float32)),
             context=ctx,
             context_mask=mask,
         )
-        return obs, torch.as_tensor(self.norm.normalize_action(chunks), device=self.device)
+        return obs, self._put(self.norm.normalize_action(chunks).astype(np.float32))
 
     def video(
         self, rng: np.random.Generator, batch: int, frames: int
@@ -117,7 +128,7 @@ class Batches:
         states = [self._state(e, j * VIDEO_STRIDE) for e, j in zip(eps, starts, strict=True)]
         ctx, mask = self._ctx(self.demos.task[eps])
         video = self._pixels(self.frames, rows)
-        proprio = torch.as_tensor(self.norm.normalize_state(np.stack(states)), device=self.device)
+        proprio = self._put(self.norm.normalize_state(np.stack(states)).astype(np.float32))
         return video, ctx, mask, proprio
 
 
@@ -134,7 +145,9 @@ def train(
 ) -> list[dict[str, float]]:
     """cfg = the `sft` section. Trains every parameter of `policy` in place; returns the log."""
     rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
+    # Noise and augmentation are drawn on the training device: no host-to-device copy of
+    # them per step (each would wait for the GPU queue to drain).
+    gen = torch.Generator(device=batches.device).manual_seed(seed)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     policy.train()

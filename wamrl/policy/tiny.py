@@ -52,6 +52,16 @@ class TinyConfig:
     lora_rank: int = 8
 
 
+def noise(
+    fn, shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    """fn (torch.rand / randn) drawn where the generator lives (CPU without one), then on
+    `device`. A CUDA generator keeps training free of host-to-device copies, which would
+    stall the GPU queue every step."""
+    where = generator.device if generator is not None else torch.device("cpu")
+    return fn(shape, generator=generator, device=where).to(device)
+
+
 def shifted_sigma(u: Tensor, shift: float = SHIFT) -> Tensor:
     return shift * u / (1.0 + (shift - 1.0) * u)
 
@@ -359,7 +369,7 @@ class TinyWAM(Policy):
         z0 = self.ae.encode(obs.image)[:, None]
         b = z0.shape[0]
         shape = (b, num_future, *z0.shape[2:])
-        zf = torch.randn(shape, generator=generator).to(z0.device)
+        zf = noise(torch.randn, shape, generator, z0.device)
         u = 1.0 - torch.arange(steps + 1, dtype=torch.float64) / steps
         sig = shifted_sigma(u).float().tolist()
         for k in range(steps):
@@ -388,8 +398,8 @@ class TinyWAM(Policy):
         z = self.encode_frames(video)
         recon = F.mse_loss(self.ae.decode(z.flatten(0, 1)), video.flatten(0, 1))
         z = z.detach()
-        sigma = shifted_sigma(torch.rand(b, generator=generator)).to(z.device)
-        eps = torch.randn(z[:, 1:].shape, generator=generator).to(z.device)
+        sigma = shifted_sigma(noise(torch.rand, (b,), generator, z.device))
+        eps = noise(torch.randn, z[:, 1:].shape, generator, z.device)
         s = sigma[:, None, None, None, None]
         noisy = torch.cat([z[:, :1], (1 - s) * z[:, 1:] + s * eps], 1)
         sf = torch.cat([torch.zeros(b, 1, device=z.device), sigma[:, None].expand(b, f - 1)], 1)
@@ -400,8 +410,8 @@ class TinyWAM(Policy):
         self, obs: Obs, actions: Tensor, generator: torch.Generator | None = None
     ) -> Tensor:
         b = actions.shape[0]
-        sigma = shifted_sigma(torch.rand(b, generator=generator)).to(actions.device)
-        eps = torch.randn(actions.shape, generator=generator).to(actions.device)
+        sigma = shifted_sigma(noise(torch.rand, (b,), generator, actions.device))
+        eps = noise(torch.randn, actions.shape, generator, actions.device)
         s = sigma[:, None, None]
         v = self.velocity(self.prefill(obs), (1 - s) * actions + s * eps, sigma)
         return F.mse_loss(v, eps - actions)
