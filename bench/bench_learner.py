@@ -9,9 +9,9 @@ A macro-step is one stored query (image, proprio, x_k*, x_k*+1, log pi_old, adva
 The update is wamrl.ppo.actor_update as the actor stage runs it: the log pi check over all
 steps, then actor.epochs epochs of minibatches (prefill under no_grad, the action expert's
 step with gradients, fp32 log-probs). Data are random but self-consistent (x_k*+1 is the
-policy's own SDE step from a random x_k*, log pi_old its own log pi), so the check passes. FLOPs are counted once per minibatch with torch's
-FlopCounterMode (forward + backward); utilisation is against --peak-tflops (H200 dense
-bf16: 989). Each precision (--amp fp32 bf16, i.e. actor.amp) starts from the same weights;
+policy's own SDE step from a random x_k*, log pi_old its own log pi), so the check passes.
+FLOPs are counted once per minibatch with torch's FlopCounterMode (forward + backward);
+utilisation is against --peak-tflops (H200 dense bf16: 989). Each precision (--amp fp32 bf16, i.e. actor.amp) starts from the same weights;
 the last column is how far its log pi lies from float32's on the first minibatch.
 """
 

@@ -24,7 +24,7 @@ from wamrl.policy.base import Obs, Policy
 def random_shift(img: Tensor, pad: int, generator: torch.Generator) -> Tensor:
     """Shift each camera view (the two 224 x 224 halves of [B, 3, 224, 448]) by its own
     random whole-pixel offset in [-pad, pad] per axis, edges repeated (DrQ's augmentation).
-    out[y, x] = view[clamp(y + dy), clamp(x + dx)]; offsets come from `generator` (CPU)."""
+    out[y, x] = view[clamp(y + dy), clamp(x + dx)]; offsets come from `generator`, drawn where it lives."""
     if pad == 0:
         return img
     b, c, h, w2 = img.shape

@@ -31,6 +31,11 @@ IMAGE_HW = (224, 448)  # agentview | wrist, side by side
 FRAME_STRIDE = 4  # video frames are every 4th env step: imagined offsets are +4, +8, ...
 
 
+def generator_device(generator: torch.Generator | None) -> torch.device:
+    """Where random numbers from `generator` are drawn (torch's default CPU one without)."""
+    return generator.device if generator is not None else torch.device("cpu")
+
+
 @dataclass
 class Obs:
     """A batch of model inputs (the MDP state, seed 004 section 4.2)."""

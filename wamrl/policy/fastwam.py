@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs, Policy
+from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs, Policy, generator_device
 from wamrl.policy.checkpoint import read_policy_yaml, write_policy_yaml
 from wamrl.policy.lora import add_lora, lora_parameters
 
@@ -502,8 +502,9 @@ class FastWAMPolicy(Policy):
         b = obs.batch_size
         z0 = self.encode_image(obs.image)
         c, h, w = z0.shape[1], z0.shape[3], z0.shape[4]
-        gen_dev = generator.device if generator is not None else torch.device("cpu")
-        lat = torch.randn((b, c, frames, h, w), generator=generator, device=gen_dev)
+        lat = torch.randn(
+            (b, c, frames, h, w), generator=generator, device=generator_device(generator)
+        )
         lat = lat.to(self.device, self.dtype)
         lat[:, :, 0:1] = z0
         ctx, cmask = self._context(obs.context, obs.context_mask, obs.proprio)
@@ -530,9 +531,9 @@ class FastWAMPolicy(Policy):
         z = self.encode_video(video)
         b = z.shape[0]
         sched = self.model.train_video_scheduler
-        u = torch.rand(b, generator=generator, device=_gen_device(generator))
+        u = torch.rand(b, generator=generator, device=generator_device(generator))
         t = (sched._phi(u, sched.shift) * float(sched.num_train_timesteps)).to(self.device)
-        noise = torch.randn(z.shape, generator=generator, device=_gen_device(generator))
+        noise = torch.randn(z.shape, generator=generator, device=generator_device(generator))
         noise = noise.to(self.device, self.dtype)
         noisy = sched.add_noise(z, noise, t.to(self.dtype))
         noisy[:, :, 0:1] = z[:, :, 0:1]
@@ -548,9 +549,9 @@ class FastWAMPolicy(Policy):
     ) -> Tensor:
         b = actions.shape[0]
         sched = self.model.train_action_scheduler
-        u = torch.rand(b, generator=generator, device=_gen_device(generator))
+        u = torch.rand(b, generator=generator, device=generator_device(generator))
         sigma = sched._phi(u, sched.shift).to(self.device)
-        eps = torch.randn(actions.shape, generator=generator, device=_gen_device(generator))
+        eps = torch.randn(actions.shape, generator=generator, device=generator_device(generator))
         a = actions.to(self.device, torch.float32)
         eps = eps.to(self.device)
         s = sigma[:, None, None]
@@ -609,10 +610,6 @@ class FastWAMPolicy(Policy):
             k: tuple(v.shape) for k, v in self.trainable_state().items()
         })  # fmt: skip
         self.load_state_dict(state, strict=False)
-
-
-def _gen_device(generator: torch.Generator | None) -> torch.device:
-    return generator.device if generator is not None else torch.device("cpu")
 
 
 def config_to_dict(cfg: FastWAMConfig) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs, Policy
+from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs, Policy, generator_device
 from wamrl.policy.checkpoint import load_state, read_policy_yaml, save_state, write_policy_yaml
 from wamrl.policy.lora import add_lora, lora_parameters
 
@@ -58,8 +58,7 @@ def noise(
     """fn (torch.rand / randn) drawn where the generator lives (CPU without one), then on
     `device`. A CUDA generator keeps training free of host-to-device copies, which would
     stall the GPU queue every step."""
-    where = generator.device if generator is not None else torch.device("cpu")
-    return fn(shape, generator=generator, device=where).to(device)
+    return fn(shape, generator=generator, device=generator_device(generator)).to(device)
 
 
 def shifted_sigma(u: Tensor, shift: float = SHIFT) -> Tensor:
