@@ -93,8 +93,6 @@ def main() -> None:
     p.add_argument("--amp", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     over = {}
     if args.minibatch:
         over["actor.minibatch"] = args.minibatch
@@ -132,7 +130,9 @@ def main() -> None:
     for amp in args.amp:
         policy.load_state_dict(initial)
         refresh_logp_old(policy, data, mb, device)
-        acfg = {**cfg["actor"], "amp": None if amp == "fp32" else amp}
+        # bf16 cannot reproduce the stored fp32 log pi_old: the learner recomputes its own.
+        acfg = {**cfg["actor"], "amp": None if amp == "fp32" else amp,
+                "logp_old": "rollout" if amp == "fp32" else "recompute"}  # fmt: skip
         with torch.no_grad():
             dev = (_log_prob(policy, data, idx, device, AMP_DTYPES[acfg["amp"]]) - ref).abs().max()
         opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=cfg["actor"]["lr"])

@@ -4,7 +4,8 @@
     python bench/bench_policy.py --batch 16 --threads 2 --repeats 50
     python bench/bench_policy.py --video-dim 64 --layers 2  # other model dims
     python bench/bench_policy.py --device cuda            # where a GPU is available; adds the
-                                                          # CUDA-graph query (wamrl/graphed.py)
+                                                          # CUDA-graph query (wamrl/graphed.py),
+                                                          # float32 and bf16 (sampler.amp)
 
 A query is what the rollout does once per macro-step for a batch of envs: prefill the
 first-frame K/V cache (image autoencoder + video expert on one frame), then K denoising
@@ -101,7 +102,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
     torch.manual_seed(0)
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on CUDA
+    # Matmuls stay full float32 (no TF32), as in the rollout stage: bf16 is its own column.
     with device:  # full-size weights are made on the GPU, not copied there
         model = build_tiny(cfg).eval()
     n_params = sum(p.numel() for p in model.parameters())
@@ -137,7 +138,9 @@ def main() -> None:
     if graphs:  # the rollout's path on CUDA: the same query replayed as a CUDA graph
         table.add_column("CUDA-graph query ms (median)", justify="right")
         table.add_column("graph speed-up", justify="right")
+        table.add_column("bf16 CUDA-graph query ms (median)", justify="right")
         graphed = GraphedSampler(model, K, a, shift, max(args.batch))
+        graphed_bf16 = GraphedSampler(model, K, a, shift, max(args.batch), amp=torch.bfloat16)
 
     for b in args.batch:
         obs = random_obs(model, b, text_len, device)
@@ -155,15 +158,19 @@ def main() -> None:
                 gq = timed(
                     lambda obs=obs, gen=gen: graphed.query(obs, gen), device, 2, args.repeats
                 )
+                gq16 = timed(
+                    lambda obs=obs, gen=gen: graphed_bf16.query(obs, gen), device, 2, args.repeats
+                )
                 ref = sample_chunk(
                     model, model.prefill(obs), b, K, a, shift, torch.Generator().manual_seed(5)
                 )
-                out = graphed.query(obs, torch.Generator().manual_seed(5))
-                console.print(
-                    f"batch {b}: CUDA graph vs eager, same noise: max |chain diff| "
-                    f"{(out.chain - ref.chain).abs().max():.2e}, max |log pi diff| "
-                    f"{(out.logp - ref.logp).abs().max():.2e}, graphs captured {graphed.captures}"
-                )
+                for name, g in (("CUDA graph", graphed), ("bf16 CUDA graph", graphed_bf16)):
+                    out = g.query(obs, torch.Generator().manual_seed(5))
+                    console.print(
+                        f"batch {b}: {name} vs eager fp32, same noise: max |chain diff| "
+                        f"{(out.chain - ref.chain).abs().max():.2e}, max |log pi diff| "
+                        f"{(out.logp - ref.logp).abs().max():.2e}, graphs captured {g.captures}"
+                    )
             enc = timed(lambda obs=obs: model.ae.encode(obs.image), device, 1, args.repeats)
             pre = timed(lambda obs=obs: model.prefill(obs), device, 1, args.repeats)
             vel = timed(
@@ -187,7 +194,11 @@ def main() -> None:
             f"{b * calls:.1f}",
             f"{b * calls * replan:.0f}",
             *(
-                [f"{statistics.median(gq):.2f}", f"{med / statistics.median(gq):.1f}x"]
+                [
+                    f"{statistics.median(gq):.2f}",
+                    f"{med / statistics.median(gq):.1f}x",
+                    f"{statistics.median(gq16):.2f}",
+                ]
                 if graphs
                 else []
             ),

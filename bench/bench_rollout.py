@@ -9,9 +9,11 @@ image, +4 / +8 frames). "env only" answers every query at once with the hold-sti
 the rate the CPU cores allow. "policy" answers with the mixed ODE/SDE sampler over the
 tiny model (prefill + K steps, batched over every waiting env), as the rollout stage does;
 on CUDA a third row replays each query as a CUDA graph (wamrl/graphed.py), the stage's
-default there. Its graphs (one per batch bucket) are captured before the timer starts, as
-the stage does once per weights; the capture time is printed beside the table. The eager
-row is warmed up too (CUDA context, cuBLAS), so both rows are steady state.
+default there, and a fourth does so with the model autocast to bf16 (sampler.amp: bf16;
+log pi stays float32). Graphs (one per batch bucket) are captured before the timer starts,
+as the stage does once per weights; the capture time is printed beside the table. The
+eager row is warmed up too (CUDA context, cuBLAS), so every row is steady state. Matmuls
+are full float32 as in the stage (no TF32: the learner's log pi check would not hold).
 The ratio policy / env-only is what the policy costs; 1.0 means it costs nothing.
 """
 
@@ -84,7 +86,6 @@ def main() -> None:
     cfg = load_config(args.config, overrides={"env.mujoco_gl": args.mujoco_gl})
     device = torch.device(args.device)
     torch.manual_seed(0)
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on CUDA
     with device:  # full-size weights are made on the GPU, not copied there
         policy = build_policy(cfg).eval()
     tasks = load_tasks()
@@ -103,13 +104,16 @@ def main() -> None:
     example = Obs(torch.zeros(1, 3, 224, 448), torch.zeros(1, 8), context[:1], mask[:1]).to(device)
     with torch.no_grad():  # eager warm-up: CUDA context, cuBLAS handles, the allocator
         query_chunks(policy, example, sampler, torch.Generator().manual_seed(0))
-    graphed = None
+    graphed: dict[str, GraphedSampler] = {}
     if device.type == "cuda":
-        graphed = GraphedSampler(policy, args.K, s["noise_a"], s["shift"], args.envs)
-        t0 = time.perf_counter()
-        n = graphed.warm_up(example)
-        console.print(f"CUDA graphs: {n} captured (buckets {graphed.buckets}) in "
-                      f"{time.perf_counter() - t0:.1f} s, before timing")  # fmt: skip
+        for name, amp in (("fp32", None), ("bf16", torch.bfloat16)):
+            graphed[name] = GraphedSampler(
+                policy, args.K, s["noise_a"], s["shift"], args.envs, amp=amp
+            )
+            t0 = time.perf_counter()
+            n = graphed[name].warm_up(example)
+            console.print(f"CUDA graphs, {name}: {n} captured (buckets {graphed[name].buckets})"
+                          f" in {time.perf_counter() - t0:.1f} s, before timing")  # fmt: skip
 
     def policy_run(graphs: GraphedSampler | None = None) -> int:
         out = run_episodes(
@@ -128,7 +132,8 @@ def main() -> None:
             ("policy", policy_run),
         ]
         if device.type == "cuda":  # the rollout stage's CUDA path (sampler.cuda_graphs)
-            modes.append(("policy, CUDA graphs", lambda: policy_run(graphed)))
+            modes.append(("policy, CUDA graphs", lambda: policy_run(graphed["fp32"])))
+            modes.append(("policy, graphs, bf16", lambda: policy_run(graphed["bf16"])))
         for name, fn in modes:
             t0 = time.perf_counter()
             steps = fn()

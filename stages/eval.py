@@ -18,7 +18,7 @@ import torch
 from wamrl import paths
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.tasks import tasks_in_suites
-from wamrl.runtime import pick_device, set_gl_backend
+from wamrl.runtime import AMP_DTYPES, pick_device, set_gl_backend
 
 
 def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     policy_dir = paths.policy_dir(run_dir, iteration)
     if not (policy_dir / "model.safetensors").is_file():
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
-    e = cfg["eval"]
+    e, s = cfg["eval"], cfg["sampler"]
     tasks = tasks_in_suites(e["suites"])
     if e["tasks"] is not None:
         tasks = [t for t in tasks if t.index in set(e["tasks"])]
@@ -100,7 +100,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             context.to(device),
             mask.to(device),
             normalizer,
-            SamplerSettings(e["K"], 0.0, cfg["sampler"]["shift"], cfg["sampler"]["cuda_graphs"]),
+            SamplerSettings(e["K"], 0.0, s["shift"], s["cuda_graphs"], AMP_DTYPES[s["amp"]]),
             e["max_macro_steps"],
             seed=e["seed"],
             on_episode=on_episode,

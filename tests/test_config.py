@@ -10,7 +10,14 @@ from wamrl.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrid
 def test_default_is_valid_and_complete():
     cfg = load_config()
     assert cfg == read_yaml(DEFAULT_CONFIG)
-    assert cfg["sampler"] == {"K": 8, "noise_a": 0.5, "shift": 5.0, "cuda_graphs": True}
+    assert cfg["sampler"] == {
+        "K": 8,
+        "noise_a": 0.5,
+        "shift": 5.0,
+        "cuda_graphs": True,
+        "amp": None,
+    }
+    assert (cfg["actor"]["amp"], cfg["actor"]["logp_old"]) == (None, "rollout")
 
 
 def test_seed_table_defaults_match_the_design():
@@ -63,3 +70,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("actor: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config([bad])
+
+
+@pytest.mark.parametrize("key", ["sampler.amp", "actor.amp"])
+def test_bf16_needs_the_learner_to_recompute_log_pi_old(key: str) -> None:
+    with pytest.raises(ConfigError, match=f"{key}: bf16 needs actor.logp_old: recompute"):
+        load_config(overrides={key: "bf16"})
+    cfg = load_config(overrides={key: "bf16", "actor.logp_old": "recompute"})
+    assert cfg["actor"]["logp_old"] == "recompute"

@@ -21,7 +21,7 @@ from wamrl.demos import (
 )
 from wamrl.envs.conventions import Normalizer
 from wamrl.policy.tiny import TinyConfig, TinyWAM
-from wamrl.sft import Batches, lr_at, random_shift, train
+from wamrl.sft import Batches, lr_at, random_shift, steps_within, train
 from wamrl.store import StoreError
 
 
@@ -164,6 +164,23 @@ def test_sft_lowers_both_losses() -> None:
     )
     assert last[0] < 0.8 * first[0] and last[1] < first[1]
     assert not policy.training
+
+
+def test_steps_within_fits_the_rest_of_the_budget_at_the_measured_rate() -> None:
+    # 10 steps in 2 s = 0.2 s/step; 58 s left hold 290 more steps.
+    assert steps_within(60.0, 2.0, 10, 1000) == 300
+    assert steps_within(60.0, 2.0, 10, 100) == 100  # the configured count is a cap
+    assert steps_within(1.0, 2.0, 10, 100) == 11  # budget already spent: stop after one more
+
+
+def test_time_budget_cuts_the_run_and_ends_the_schedule_on_time() -> None:
+    torch.manual_seed(0)
+    cfg = {**SFT, "steps": 10_000, "warmup": 2, "log_every": 1000, "time_budget_s": 1.0}
+    log = train(TinyWAM(CFG), batches([fake_demo(1, 30, 0)]), cfg, seed=0)
+    last = log[-1]
+    assert 10 < last["step"] + 1 < 10_000 and last["elapsed_s"] < 3.0
+    # The cut count is the schedule's length: the last step sits at the cosine's floor.
+    assert last["lr"] == pytest.approx(lr_at(last["step"], last["step"] + 1, cfg["lr"], 2))
 
 
 def test_random_shift_moves_each_view_by_its_own_offset() -> None:

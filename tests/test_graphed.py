@@ -98,3 +98,44 @@ def test_warm_up_captures_every_bucket_once() -> None:
     assert sampler.warm_up(obs) == len(sampler.buckets) == 4  # 1, 2, 4, 6
     sampler.query(obs, torch.Generator().manual_seed(1))  # batch 3 -> bucket 4: a replay
     assert sampler.captures == 4
+
+
+def test_bf16_query_autocasts_the_model_and_keeps_log_pi_float32() -> None:
+    """sampler.amp: the graph-ready path and rollout.query_chunks agree under bf16, the
+    model really ran in bf16 (the chain moved), and the log-prob math stayed float32."""
+    from wamrl.rollout import SamplerSettings, query_chunks
+
+    policy, obs = _policy_and_obs(4)
+    bf16 = SamplerSettings(8, 0.5, 5.0, amp=torch.bfloat16)
+    with torch.no_grad():
+        ref = query_chunks(policy, obs, bf16, torch.Generator().manual_seed(7))
+        fp32 = query_chunks(
+            policy, obs, SamplerSettings(8, 0.5, 5.0), torch.Generator().manual_seed(7)
+        )
+    out = GraphedSampler(policy, 8, 0.5, 5.0, 4, amp=torch.bfloat16).query(
+        obs, torch.Generator().manual_seed(7)
+    )
+    assert out.logp.dtype == out.chain.dtype == torch.float32
+    assert torch.equal(out.k_star, ref.k_star) and torch.equal(ref.k_star, fp32.k_star)
+    torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=1e-4)
+    gap = (ref.chain[:, -1] - fp32.chain[:, -1]).abs().max()
+    assert 1e-4 < gap < 0.1, gap  # bf16 rounding: visible, yet the same actions
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_cuda_graph_replays_the_eager_bf16_query() -> None:
+    from wamrl.rollout import SamplerSettings, query_chunks
+
+    policy, obs = _policy_and_obs(3)
+    policy, obs = policy.cuda(), obs.to("cuda")
+    sampler = GraphedSampler(policy, K=8, a=0.5, shift=5.0, max_batch=4, amp=torch.bfloat16)
+    bf16 = SamplerSettings(8, 0.5, 5.0, amp=torch.bfloat16)
+    for seed in (7, 8):  # capture, then a replay
+        with torch.no_grad():
+            ref = query_chunks(policy, obs, bf16, torch.Generator().manual_seed(seed))
+        out = sampler.query(obs, torch.Generator().manual_seed(seed))
+        assert out.logp.dtype == torch.float32
+        torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-3)
+        torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=5e-2)
+    assert sampler.captures == 1

@@ -217,6 +217,28 @@ def test_logp_check_passes_then_fails_after_perturbation(run_after_reward) -> No
         ppo.check_logp(policy, bad, cfg["actor"]["logp_check_tol"], 8, "cpu")
 
 
+def test_recompute_takes_the_learners_log_pi_as_old(run_after_reward) -> None:
+    """actor.logp_old: recompute — a rollout log pi_old that is off (as a bf16 rollout's is)
+    stops the default mode, while recompute trains from ratio 1 and reports the gap."""
+    run, cfg = run_after_reward
+    policy, data = _data(run, cfg)
+    off = copy.copy(data)
+    shift = np.random.default_rng(0).uniform(-0.3, 0.3, len(data))
+    off.logp_old = (data.logp_old + shift).astype(np.float32)
+    cfg = copy.deepcopy(cfg)
+    cfg["actor"].update(lr=1e-4, epochs=1)
+    opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=1e-4)
+    with pytest.raises(ppo.LogProbMismatchError):
+        ppo.actor_update(policy, None, off, cfg, opt)
+    cfg["actor"]["logp_old"] = "recompute"
+    metrics = ppo.actor_update(policy, None, off, cfg, opt)
+    check = metrics["logp_check"]
+    assert check["logp_check_max_abs_delta"] == pytest.approx(np.abs(shift).max(), abs=1e-3)
+    assert check["logp_check_mean_abs_delta"] == pytest.approx(np.abs(shift).mean(), abs=1e-3)
+    # fp32 on unchanged weights: the first minibatch's ratio is 1 to float precision.
+    assert metrics["epochs"][0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_actor_update_follows_advantage_sign(run_after_reward) -> None:
     run, cfg = run_after_reward
     policy, data = _data(run, cfg)
@@ -251,11 +273,13 @@ def test_bf16_actor_path_matches_float32_within_tolerance(run_after_reward) -> N
     assert (bf16 - fp32).abs().max() < 0.5, (bf16 - fp32).abs().max()
     assert not torch.equal(bf16, fp32)  # autocast did act
     cfg = copy.deepcopy(cfg)
-    cfg["actor"].update(lr=1e-4, amp="bf16")
+    cfg["actor"].update(lr=1e-4, amp="bf16", logp_old="recompute")
     opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=1e-4)
     metrics = ppo.actor_update(policy, None, data, cfg, opt)
-    assert metrics["logp_check"]["logp_check_max_ratio_dev"] <= cfg["actor"]["logp_check_tol"]
-    assert metrics["epochs"][0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=0.05)
+    # The gap to the rollout's fp32 log pi is reported; the ratio starts at 1 regardless.
+    gap = metrics["logp_check"]["logp_check_max_abs_delta"]
+    assert gap == pytest.approx(float((bf16 - fp32).abs().max()), rel=0.5), gap
+    assert metrics["epochs"][0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-2)
     with torch.no_grad():
         after = ppo._log_prob(policy, data, idx, "cpu")
     delta = (after - fp32).numpy()

@@ -129,6 +129,14 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"rollout.groups ({r['groups']}) < rollout.workers ({r['workers']}): "
             "every shard needs at least one group"
         )
+    bf16 = [k for k in ("sampler", "actor") if cfg[k]["amp"] is not None]
+    if bf16 and cfg["actor"]["logp_old"] == "rollout":
+        # bf16 moves log pi by ~0.1-0.3 (bench_learner), far past the 1e-3 check: the rollout's
+        # value cannot be the ratio's denominator, the learner must recompute its own.
+        raise ConfigError(
+            f"{' and '.join(k + '.amp' for k in bf16)}: bf16 needs actor.logp_old: recompute "
+            "(a bf16 log pi cannot reproduce the float32 one to actor.logp_check_tol)"
+        )
     if (cfg["world_model"]["window_frames"] - 1) % 4:
         raise ConfigError(
             "world_model.window_frames: must be 4k+1 (video frames are 4 env steps apart)"

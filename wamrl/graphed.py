@@ -15,7 +15,8 @@ records them once and replays them with one launch. What that needs, and how it 
 - Weights change between iterations (a new checkpoint, or in-place updates): a graph
   keeps pointers, and the folded LoRA weight it captured would be stale, so every graph is
   dropped and re-captured when any parameter's storage or version has changed.
-- Log-probs stay float32: velocities are cast to float32 before the sampler math.
+- Log-probs stay float32: velocities are cast to float32 before the sampler math. With
+  sampler.amp the model runs under autocast, recorded into the graph like any other op.
 
 On a CPU device the same static-noise path runs eagerly (no graph), which is what the
 tests compare against `sample_chunk`.
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs, Policy
+from wamrl.runtime import autocast
 from wamrl.sampler import SampleResult, gaussian_log_prob, ode_step, sde_mean_std, sigma_schedule
 
 
@@ -95,8 +97,16 @@ class _Graph:
 class GraphedSampler:
     """`query(obs, generator, x0)` -> SampleResult, equal to prefill + sample_chunk."""
 
-    def __init__(self, policy: Policy, K: int, a: float, shift: float, max_batch: int):
-        self.policy, self.K, self.a = policy, K, a
+    def __init__(
+        self,
+        policy: Policy,
+        K: int,
+        a: float,
+        shift: float,
+        max_batch: int,
+        amp: torch.dtype | None = None,
+    ):
+        self.policy, self.K, self.a, self.amp = policy, K, a, amp
         self.device = next(policy.parameters()).device
         self.sigmas = sigma_schedule(K, shift).to(self.device)
         self.buckets = [1]
@@ -143,10 +153,12 @@ class GraphedSampler:
                     g.chain[:batch].clone(), k_star.to(self.device), g.logp[:batch].clone()
                 )
         dev = [t.to(self.device) for t in inputs]
-        chain, logp = denoise_static(
-            self.policy, Obs(*dev[:4]), *dev[4:], sigmas=self.sigmas, a=self.a
-        )
+        chain, logp = self._denoise(Obs(*dev[:4]), *dev[4:])
         return SampleResult(chain, dev[5], logp)
+
+    def _denoise(self, obs: Obs, *noise: Tensor) -> tuple[Tensor, Tensor]:
+        with autocast(self.device, self.amp):
+            return denoise_static(self.policy, obs, *noise, sigmas=self.sigmas, a=self.a)
 
     def warm_up(self, obs: Obs) -> int:
         """Query every bucket once with obs's first row repeated (throwaway noise), so that a
@@ -178,9 +190,7 @@ class GraphedSampler:
             dst.copy_(src[:1].expand(size, *src.shape[1:]))
 
         def run() -> tuple[Tensor, Tensor]:
-            return denoise_static(
-                self.policy, Obs(*static[:4]), *static[4:], sigmas=self.sigmas, a=self.a
-            )
+            return self._denoise(Obs(*static[:4]), *static[4:])
 
         # Warm-up on a side stream (cuBLAS/cuDNN workspaces, memoised folded weights), then
         # record; the capture pool is private to this graph.

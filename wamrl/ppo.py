@@ -20,8 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from wamrl.policy.base import Obs, Policy
-
-AMP_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
+from wamrl.runtime import AMP_DTYPES, autocast
 
 
 class NonFiniteError(RuntimeError):
@@ -129,8 +128,7 @@ def _log_prob(
     from wamrl import sampler  # imported late: the sampler module is another helper's file
 
     obs = data.obs(idx, device)
-    dev_type = torch.device(device).type
-    with torch.autocast(dev_type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+    with autocast(device, amp):
         with torch.no_grad():  # the video expert is frozen in the actor phase (seed 002, 8.3)
             cache = policy.prefill(obs)
         return sampler.recompute_log_prob(
@@ -146,6 +144,44 @@ def _log_prob(
         )
 
 
+def learner_logp(
+    policy: Policy,
+    data: ActorData,
+    batch: int,
+    device: torch.device | str,
+    amp: torch.dtype | None = None,
+    limit: int | None = None,
+) -> np.ndarray:
+    """The learner's log pi of the first `limit` (default all) stored steps on the current
+    weights, float64 on the host; a non-finite value fails, naming its step."""
+    n = len(data) if limit is None else min(limit, len(data))
+    out = np.empty(n, np.float64)
+    with torch.no_grad():
+        for start in range(0, n, batch):
+            idx = np.arange(start, min(start + batch, n))
+            out[idx] = _log_prob(policy, data, idx, device, amp).double().cpu().numpy()
+    bad = np.flatnonzero(~np.isfinite(out))
+    if len(bad):
+        raise LogProbMismatchError(
+            f"recomputed log pi is not finite at (shard, episode, step) = "
+            f"{tuple(int(v) for v in data.where[bad[0]])}"
+        )
+    return out
+
+
+def logp_gap(logp: np.ndarray, data: ActorData) -> dict[str, float]:
+    """How far `logp` lies from the rollout's stored log pi_old, step by step."""
+    delta = logp - data.logp_old[: len(logp)].astype(np.float64)
+    j = int(np.abs(delta).argmax())
+    return {
+        "logp_check_steps": float(len(logp)),
+        "logp_check_max_abs_delta": float(abs(delta[j])),
+        "logp_check_mean_abs_delta": float(np.abs(delta).mean()),
+        "logp_check_max_ratio_dev": float(np.abs(np.expm1(delta)).max()),
+        "logp_check_worst_step": float(j),
+    }
+
+
 def check_logp(
     policy: Policy,
     data: ActorData,
@@ -159,40 +195,20 @@ def check_logp(
     A mismatch (bf16 rollout vs fp32 learner, a different checkpoint, a wrong k* or
     schedule) would silently bias the first PPO ratio; fail loudly and say where.
     """
-    n = len(data) if limit is None else min(limit, len(data))
-    worst = (-1.0, -1)
-    max_ratio_dev = 0.0
-    with torch.no_grad():
-        for start in range(0, n, batch):
-            idx = np.arange(start, min(start + batch, n))
-            logp = _log_prob(policy, data, idx, device).double().cpu()
-            delta = logp - torch.from_numpy(data.logp_old[idx]).double()
-            if not torch.isfinite(delta).all():
-                bad = int(idx[int((~torch.isfinite(delta)).nonzero()[0])])
-                raise LogProbMismatchError(
-                    f"recomputed log pi is not finite at (shard, episode, step) = "
-                    f"{tuple(int(v) for v in data.where[bad])}"
-                )
-            i = int(delta.abs().argmax())
-            if float(delta[i].abs()) > worst[0]:
-                worst = (float(delta[i].abs()), int(idx[i]))
-            max_ratio_dev = max(max_ratio_dev, float((delta.exp() - 1.0).abs().max()))
-    if max_ratio_dev > tol:
-        d, j = worst
+    gap = logp_gap(learner_logp(policy, data, batch, device, limit=limit), data)
+    if gap["logp_check_max_ratio_dev"] > tol:
+        j = int(gap["logp_check_worst_step"])
         s, e, t = (int(v) for v in data.where[j])
         raise LogProbMismatchError(
-            f"log pi check failed before the actor update: max |ratio - 1| = {max_ratio_dev:.3g} "
-            f"> actor.logp_check_tol = {tol:g}; max |delta logp| = {d:.4g} at shard {s}, "
-            f"episode {e}, step {t} (k* = {int(data.k_star[j])}, stored log pi_old = "
+            f"log pi check failed before the actor update: max |ratio - 1| = "
+            f"{gap['logp_check_max_ratio_dev']:.3g} > actor.logp_check_tol = {tol:g}; max "
+            f"|delta logp| = {gap['logp_check_max_abs_delta']:.4g} at shard {s}, episode {e}, "
+            f"step {t} (k* = {int(data.k_star[j])}, stored log pi_old = "
             f"{float(data.logp_old[j]):.4f}). The learner's log pi on unchanged weights must "
             "reproduce the rollout's: check float32 log-probs, the policy checkpoint the "
             "rollout used, K / a / shift, and the stored chain."
         )
-    return {
-        "logp_check_steps": float(n),
-        "logp_check_max_abs_delta": worst[0],
-        "logp_check_max_ratio_dev": max_ratio_dev,
-    }
+    return gap
 
 
 def _check_finite_params(params: list[nn.Parameter], where: str) -> None:
@@ -228,9 +244,18 @@ def actor_update(
         metrics["skipped"] = "no kept macro-steps (every group was degenerate or empty)"
         return metrics
     mb = int(acfg["minibatch"])
-    # The check compares with the rollout's float32 log pi_old, so it always runs in float32.
     amp = AMP_DTYPES[acfg.get("amp")]
-    metrics["logp_check"] = check_logp(policy, data, float(acfg["logp_check_tol"]), mb, device)
+    if acfg.get("logp_old", "rollout") == "recompute":
+        # The ratio's denominator is the learner's own log pi on the unchanged weights, in
+        # the update's precision, so it starts at 1 even when the rollout ran in bf16; the
+        # rollout's value is only compared (the behaviour/learner gap, reported).
+        logp_old = learner_logp(policy, data, mb, device, amp)
+        metrics["logp_check"] = logp_gap(logp_old, data)
+    else:
+        # The check compares with the rollout's float32 log pi_old, so it runs in float32.
+        tol = float(acfg["logp_check_tol"])
+        metrics["logp_check"] = check_logp(policy, data, tol, mb, device)
+        logp_old = data.logp_old
 
     rng = np.random.default_rng(seed)
     for epoch in range(int(acfg["epochs"])):
@@ -246,7 +271,7 @@ def actor_update(
                     logp_ref = _log_prob(ref_policy, data, idx, device, amp)
             loss, stats = ppo_loss(
                 logp_new,
-                data.tensor("logp_old", idx, device).float(),
+                torch.from_numpy(np.asarray(logp_old[idx], np.float32)).to(device),
                 data.tensor("adv", idx, device).float(),
                 float(acfg["clip_low"]),
                 float(acfg["clip_high"]),

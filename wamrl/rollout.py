@@ -29,6 +29,7 @@ from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
 from wamrl.envs.tasks import Task
 from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import Obs, Policy
+from wamrl.runtime import autocast
 from wamrl.sampler import sample_chunk
 from wamrl.store import EpisodeData
 
@@ -50,6 +51,7 @@ class SamplerSettings:
     a: float
     shift: float
     cuda_graphs: bool = False  # replay each query as a CUDA graph (wamrl/graphed.py) on CUDA
+    amp: torch.dtype | None = None  # sampler.amp: autocast dtype of the model (log pi stays fp32)
 
 
 @dataclass
@@ -122,10 +124,11 @@ def query_chunks(
     x0: torch.Tensor | None = None,
 ):
     """One batched policy query: prefill the first-frame cache, then K denoising steps."""
-    cache = policy.prefill(obs)
-    return sample_chunk(
-        policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0
-    )
+    with autocast(obs.image.device, sampler.amp):
+        cache = policy.prefill(obs)
+        return sample_chunk(
+            policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0
+        )
 
 
 def next_spec(todo_tasks: list[int], slot_task: int | None, busy_tasks: set[int]) -> int:
@@ -173,7 +176,9 @@ def run_episodes(
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda":
-        graphed = GraphedSampler(policy, sampler.K, sampler.a, sampler.shift, len(pool))
+        graphed = GraphedSampler(
+            policy, sampler.K, sampler.a, sampler.shift, len(pool), amp=sampler.amp
+        )
     todo = list(enumerate(specs))
     running: dict[int, _Running] = {}
     env_task: dict[int, int] = {}  # the task whose env each slot's process holds

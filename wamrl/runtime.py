@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+
+# sampler.amp / actor.amp -> autocast dtype (null = float32 throughout)
+AMP_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
+
+
+def autocast(device: torch.device | str, amp: torch.dtype | None) -> AbstractContextManager:
+    """Autocast the model's matmuls to `amp` (None: a no-op). The weight-cast cache is off:
+    a CUDA graph captured with it would replay casts whose memory autocast has freed, and
+    the sampler math casts velocities back to float32 anyway (sampler.py)."""
+    return torch.autocast(
+        torch.device(device).type,
+        dtype=amp or torch.bfloat16,
+        enabled=amp is not None,
+        cache_enabled=False,
+    )
 
 
 def pick_device(cfg: dict[str, Any]) -> torch.device:

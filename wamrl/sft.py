@@ -140,23 +140,46 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def steps_within(budget_s: float, elapsed_s: float, done: int, steps: int) -> int:
+    """The step count that ends training inside `budget_s`, from `done` steps measured to
+    take `elapsed_s`: done + the whole steps the rest of the budget holds at that rate,
+    capped at `steps`, at least done + 1. The first steps carry warm-up costs, so the rate
+    is pessimistic and the run ends a little early rather than late."""
+    rate = elapsed_s / done
+    return max(done + 1, min(steps, done + int((budget_s - elapsed_s) / rate)))
+
+
 def train(
     policy: Policy, batches: Batches, cfg: dict[str, Any], seed: int, progress: Any = None
 ) -> list[dict[str, float]]:
-    """cfg = the `sft` section. Trains every parameter of `policy` in place; returns the log."""
+    """cfg = the `sft` section. Trains every parameter of `policy` in place; returns the log.
+    With cfg["time_budget_s"] set, `steps` is a cap: the count is cut once the warm-up has
+    been timed (cosine progress is still 0 there, so the schedule stays continuous)."""
     rng = np.random.default_rng(seed)
     # Noise and augmentation are drawn on the training device: no host-to-device copy of
     # them per step (each would wait for the GPU queue to drain).
     gen = torch.Generator(device=batches.device).manual_seed(seed)
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    # fused=True: one kernel for the whole update on CUDA instead of a few per tensor.
+    opt = torch.optim.AdamW(
+        params, lr=cfg["lr"], weight_decay=cfg["weight_decay"], fused=batches.device.type == "cuda"
+    )
     policy.train()
     log: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    task = progress.add_task("sft", total=cfg["steps"], info="") if progress is not None else None
-    for step in range(cfg["steps"]):
+    steps, budget = cfg["steps"], cfg.get("time_budget_s")
+    timed_at = max(cfg["warmup"], 10)  # steps timed before the count is cut to the budget
+    task = progress.add_task("sft", total=steps, info="") if progress is not None else None
+    step = 0
+    while step < steps:
+        if budget is not None and step == timed_at:
+            if batches.device.type == "cuda":  # time the work queued so far, not its queueing
+                torch.cuda.synchronize(batches.device)
+            steps = steps_within(budget, time.perf_counter() - t0, step, steps)
+            if progress is not None:
+                progress.update(task, total=steps)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup"])
+            group["lr"] = lr_at(step, steps, cfg["lr"], cfg["warmup"])
         obs, target = batches.actions(rng, cfg["batch"], gen)
         loss_a = policy.action_loss(obs, target, generator=gen)
         loss = loss_a
@@ -172,7 +195,7 @@ def train(
         opt.step()
         # Read losses back (a GPU sync) only at log steps, so that the next batch is
         # assembled on the CPU while the GPU still works on this one.
-        if step % cfg["log_every"] == 0 or step == cfg["steps"] - 1:
+        if step % cfg["log_every"] == 0 or step == steps - 1:
             log.append(
                 {
                     "step": step,
@@ -187,8 +210,9 @@ def train(
                 progress.update(task, info=f"action loss {log[-1]['action_loss']:.4f}")
         if progress is not None:
             progress.update(task, advance=1)
+        step += 1
     policy.eval()
     return log
 
 
-__all__ = ["Batches", "lr_at", "n_frames", "random_shift", "train"]
+__all__ = ["Batches", "lr_at", "n_frames", "random_shift", "steps_within", "train"]
