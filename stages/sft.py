@@ -3,10 +3,13 @@
 Statistics in Fast-WAM's format are computed from the demonstrations and go with the
 checkpoint (stats.json): the policy's normalisation is the one it was trained with.
 The `init` rule starts from this checkpoint when policy.base_checkpoint is `sft`.
+With sft.save_every, sft/snapshot holds the latest intermediate checkpoint (same layout)
+until the run finishes: a run cut off by a job limit still leaves a usable policy.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -46,23 +49,32 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     torch.manual_seed(cfg["seed"])
     policy = build_policy(cfg).to(device)
     batches = Batches(demos, norm, context, mask, device, cfg["sft"]["augment_shift"])
+
+    def save(out: Path, step: int) -> None:
+        with atomic_dir(out) as tmp:
+            policy.save(tmp)
+            save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)
+            write_json(tmp / "stats.json", stats)
+            write_json(
+                tmp / "checkpoint.json",
+                {
+                    "sha256": sha256_file(tmp / "model.safetensors"),
+                    "source": "sft",
+                    "sft_steps": step,
+                    "demo_episodes": len(demos),
+                    "demo_stores": [str(p) for p in shards],
+                    "config": cfg,
+                },
+            )
+
+    snapshot = run_dir / "sft" / "snapshot"
     with progress_bar() as bar:
-        log = train(policy, batches, cfg["sft"], cfg["seed"], progress=bar)
-    out = run_dir / "sft" / "policy"
-    with atomic_dir(out) as tmp:
-        policy.to("cpu").save(tmp)
-        save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)
-        write_json(tmp / "stats.json", stats)
-        write_json(
-            tmp / "checkpoint.json",
-            {
-                "sha256": sha256_file(tmp / "model.safetensors"),
-                "source": "sft",
-                "demo_episodes": len(demos),
-                "demo_stores": [str(p) for p in shards],
-                "config": cfg,
-            },
-        )
+        log = train(
+            policy, batches, cfg["sft"], cfg["seed"], progress=bar,
+            on_snapshot=lambda step: save(snapshot, step),
+        )  # fmt: skip
+    save(run_dir / "sft" / "policy", log[-1]["step"] + 1)
+    shutil.rmtree(snapshot, ignore_errors=True)  # superseded by the finished policy
     write_json(
         run_dir / "sft" / "log.json",
         {"wall_time_s": time.perf_counter() - t0, "episodes": len(demos), "log": log},

@@ -183,6 +183,22 @@ def test_time_budget_cuts_the_run_and_ends_the_schedule_on_time() -> None:
     assert last["lr"] == pytest.approx(lr_at(last["step"], last["step"] + 1, cfg["lr"], 2))
 
 
+def test_snapshots_come_every_save_every_steps_before_the_last() -> None:
+    torch.manual_seed(0)
+    policy = TinyWAM(CFG)
+    seen: list[tuple[int, bool]] = []
+    cfg = {**SFT, "steps": 25, "save_every": 10}
+    train(
+        policy,
+        batches([fake_demo(1, 30, 0)]),
+        cfg,
+        0,
+        on_snapshot=lambda s: seen.append((s, policy.training)),
+    )
+    assert seen == [(10, False), (20, False)]  # saved in eval mode; none at 25: that is the final
+    assert not policy.training
+
+
 def test_random_shift_moves_each_view_by_its_own_offset() -> None:
     img = torch.randn(3, 3, 224, 448)
     out = random_shift(img, 5, torch.Generator().manual_seed(1))

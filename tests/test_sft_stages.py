@@ -36,6 +36,7 @@ def sft_run(tmp_path_factory):
             "demos.init_states": 1,
             "demos.tasks": [TASK],
             "sft.steps": 3,
+            "sft.save_every": 2,
             "sft.batch": 2,
             "sft.video_batch": 1,
             "policy.base_checkpoint": "sft",
@@ -82,3 +83,5 @@ def test_sft_checkpoint_is_the_init_base(sft_run):
     assert json.loads((base / "stats.json").read_text()) == stats
     meta = json.loads((base / "checkpoint.json").read_text())
     assert meta["base_checkpoint"] == str(sft_dir)
+    assert json.loads((sft_dir / "checkpoint.json").read_text())["sft_steps"] == 3
+    assert not (run / "sft" / "snapshot").exists()  # the step-2 snapshot was superseded

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,11 +151,18 @@ def steps_within(budget_s: float, elapsed_s: float, done: int, steps: int) -> in
 
 
 def train(
-    policy: Policy, batches: Batches, cfg: dict[str, Any], seed: int, progress: Any = None
+    policy: Policy,
+    batches: Batches,
+    cfg: dict[str, Any],
+    seed: int,
+    progress: Any = None,
+    on_snapshot: Callable[[int], None] | None = None,
 ) -> list[dict[str, float]]:
     """cfg = the `sft` section. Trains every parameter of `policy` in place; returns the log.
     With cfg["time_budget_s"] set, `steps` is a cap: the count is cut once the warm-up has
-    been timed (cosine progress is still 0 there, so the schedule stays continuous)."""
+    been timed (cosine progress is still 0 there, so the schedule stays continuous).
+    With cfg["save_every"] set, on_snapshot(steps done) is called every that many steps
+    before the last (the caller saves the policy: a run cut off still leaves a checkpoint)."""
     rng = np.random.default_rng(seed)
     # Noise and augmentation are drawn on the training device: no host-to-device copy of
     # them per step (each would wait for the GPU queue to drain).
@@ -211,6 +219,11 @@ def train(
         if progress is not None:
             progress.update(task, advance=1)
         step += 1
+        every = cfg.get("save_every")
+        if on_snapshot is not None and every and step % every == 0 and step < steps:
+            policy.eval()
+            on_snapshot(step)
+            policy.train()
     policy.eval()
     return log
 
