@@ -74,7 +74,16 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 @pytest.mark.parametrize("key", ["sampler.amp", "actor.amp"])
 def test_bf16_needs_the_learner_to_recompute_log_pi_old(key: str) -> None:
-    with pytest.raises(ConfigError, match=f"{key}: bf16 needs actor.logp_old: recompute"):
+    with pytest.raises(ConfigError, match=f"{key}: half precision needs actor.logp_old: recompute"):
         load_config(overrides={key: "bf16"})
     cfg = load_config(overrides={key: "bf16", "actor.logp_old": "recompute"})
     assert cfg["actor"]["logp_old"] == "recompute"
+
+
+def test_fastwam_bf16_weights_come_with_a_recomputed_log_pi_old() -> None:
+    fastwam = DEFAULT_CONFIG.parent / "fastwam.yaml"
+    assert load_config([fastwam])["actor"]["logp_old"] == "recompute"
+    with pytest.raises(ConfigError, match="policy.fastwam.dtype: half precision"):
+        load_config([fastwam], {"actor.logp_old": "rollout"})
+    cfg = load_config([fastwam], {"actor.logp_old": "rollout", "policy.fastwam.dtype": "float32"})
+    assert cfg["actor"]["logp_old"] == "rollout"

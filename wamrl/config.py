@@ -129,13 +129,17 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"rollout.groups ({r['groups']}) < rollout.workers ({r['workers']}): "
             "every shard needs at least one group"
         )
-    bf16 = [k for k in ("sampler", "actor") if cfg[k]["amp"] is not None]
-    if bf16 and cfg["actor"]["logp_old"] == "rollout":
-        # bf16 moves log pi by ~0.1-0.3 (bench_learner), far past the 1e-3 check: the rollout's
-        # value cannot be the ratio's denominator, the learner must recompute its own.
+    low = [f"{k}.amp" for k in ("sampler", "actor") if cfg[k]["amp"] is not None]
+    fw = cfg["policy"].get("fastwam") or {}
+    if cfg["policy"]["backend"] == "fastwam" and fw.get("dtype", "float32") != "float32":
+        low.append("policy.fastwam.dtype")
+    if low and cfg["actor"]["logp_old"] == "rollout":
+        # Half precision moves log pi by ~0.1-0.3 (bench_learner), and with the batch it was
+        # computed in: far past the 1e-3 check. The rollout's value cannot be the ratio's
+        # denominator; the learner must recompute its own.
         raise ConfigError(
-            f"{' and '.join(k + '.amp' for k in bf16)}: bf16 needs actor.logp_old: recompute "
-            "(a bf16 log pi cannot reproduce the float32 one to actor.logp_check_tol)"
+            f"{' and '.join(low)}: half precision needs actor.logp_old: recompute "
+            "(its log pi cannot reproduce the rollout's to actor.logp_check_tol)"
         )
     if (cfg["world_model"]["window_frames"] - 1) % 4:
         raise ConfigError(
