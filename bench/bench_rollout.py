@@ -12,7 +12,9 @@ on CUDA a third row replays each query as a CUDA graph (wamrl/graphed.py), the s
 default there, and a fourth does so with the model autocast to bf16 (sampler.amp: bf16;
 log pi stays float32). Graphs (one per batch bucket) are captured before the timer starts,
 as the stage does once per weights; the capture time is printed beside the table. The
-eager row is warmed up too (CUDA context, cuBLAS), so every row is steady state. Matmuls
+eager row is warmed up too (CUDA context, cuBLAS), so every row is steady state.
+`--max-batch N ...` adds graphed rows (fp32 and bf16) with sampler.max_batch N: envs then
+step while other envs are queried. Matmuls
 are full float32 as in the stage (no TF32: the learner's log pi check would not hold).
 The ratio policy / env-only is what the policy costs; 1.0 means it costs nothing.
 """
@@ -71,6 +73,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads in the policy process")
     p.add_argument("--mujoco-gl", default=os.environ.get("MUJOCO_GL", "egl"))
     p.add_argument("--config", nargs="*", default=[], help="YAML files over default.yaml (dims)")
+    p.add_argument(
+        "--max-batch", type=int, nargs="*", default=[], help="CUDA: sampler.max_batch rows"
+    )
     args = p.parse_args()
 
     from wamrl.config import load_config
@@ -115,9 +120,10 @@ def main() -> None:
             console.print(f"CUDA graphs, {name}: {n} captured (buckets {graphed[name].buckets})"
                           f" in {time.perf_counter() - t0:.1f} s, before timing")  # fmt: skip
 
-    def policy_run(graphs: GraphedSampler | None = None) -> int:
+    def policy_run(graphs: GraphedSampler | None = None, max_batch: int | None = None) -> int:
+        settings = SamplerSettings(sampler.K, sampler.a, sampler.shift, max_batch=max_batch)
         out = run_episodes(
-            policy, pool, specs, context.to(device), mask.to(device), normalizer, sampler,
+            policy, pool, specs, context.to(device), mask.to(device), normalizer, settings,
             args.macro_steps, seed=0, on_episode=lambda i, d: None, device=device,
             description="policy", graphed=graphs,
         )  # fmt: skip
@@ -134,6 +140,10 @@ def main() -> None:
         if device.type == "cuda":  # the rollout stage's CUDA path (sampler.cuda_graphs)
             modes.append(("policy, CUDA graphs", lambda: policy_run(graphed["fp32"])))
             modes.append(("policy, graphs, bf16", lambda: policy_run(graphed["bf16"])))
+            for n in args.max_batch:  # the graphs' buckets cover every batch size up to envs
+                for name in ("fp32", "bf16"):
+                    modes.append((f"graphs, {name}, batch <= {n}",
+                                  lambda g=graphed[name], n=n: policy_run(g, n)))  # fmt: skip
         for name, fn in modes:
             t0 = time.perf_counter()
             steps = fn()

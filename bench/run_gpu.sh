@@ -28,8 +28,9 @@ run python3 bench/bench_policy.py --device cuda --batch 1 32
 run python3 bench/bench_policy.py --device cuda --batch 1 32 --config configs/fullsize.yaml --repeats 10
 # Rollout vs the env-only limit of the same env processes, one env per core.
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) --macro-steps 10
+# Full size: a query is long enough that capping its batch (half the envs) may pay.
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) \
-  --macro-steps 10 --config configs/fullsize.yaml
+  --macro-steps 10 --config configs/fullsize.yaml --max-batch $((cores / 2))
 # Eval of all 40 tasks: batched over the cores vs a sequential single-env loop.
 # CONTEXT_CACHE: task contexts encoded elsewhere, where the box lacks the text encoder.
 run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy --max-macro-steps 10 \

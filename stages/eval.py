@@ -100,7 +100,9 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             context.to(device),
             mask.to(device),
             normalizer,
-            SamplerSettings(e["K"], 0.0, s["shift"], s["cuda_graphs"], AMP_DTYPES[s["amp"]]),
+            SamplerSettings(
+                e["K"], 0.0, s["shift"], s["cuda_graphs"], AMP_DTYPES[s["amp"]], s["max_batch"]
+            ),
             e["max_macro_steps"],
             seed=e["seed"],
             on_episode=on_episode,

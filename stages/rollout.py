@@ -86,8 +86,13 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
             mask.to(device),
             normalizer,
             SamplerSettings(
-                s["K"], s["noise_a"], s["shift"], s["cuda_graphs"], AMP_DTYPES[s["amp"]]
-            ),
+                s["K"],
+                s["noise_a"],
+                s["shift"],
+                s["cuda_graphs"],
+                AMP_DTYPES[s["amp"]],
+                s["max_batch"],
+            ),  # fmt: skip
             cfg["env"]["max_macro_steps"],
             seed=int(np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]),
             on_episode=writer.write_episode,

@@ -16,6 +16,7 @@ def test_default_is_valid_and_complete():
         "shift": 5.0,
         "cuda_graphs": True,
         "amp": None,
+        "max_batch": None,
     }
     assert (cfg["actor"]["amp"], cfg["actor"]["logp_old"]) == (None, "rollout")
 

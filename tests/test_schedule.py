@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
 from wamrl.rollout import next_spec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_same_task_first_then_an_idle_task_then_the_first_waiting() -> None:
@@ -36,3 +44,86 @@ def test_each_task_stays_on_one_env_when_slots_are_many() -> None:
             running[slot] = env_task[slot] = t
     # 75 env builds after the first wave; first-in-first-out builds one for 384 of the 384.
     assert switches <= 80
+
+
+class _ScriptedPool:
+    """A pool double for run_episodes' batching alone: every episode is `chunks` macro-steps;
+    a Query follows each start and each chunk. A chunk takes time: its events arrive only
+    when run_episodes blocks in poll (timeout None); poll(0) returns what has arrived. A
+    blocking poll with nothing to come would hang a real pool forever, so it fails here."""
+
+    replan = 10
+
+    def __init__(self, n: int, chunks: int):
+        self.n, self.chunks = n, chunks
+        self.queue: list = []  # arrived
+        self.flight: list = []  # still stepping
+        self.left: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _query(self, slot: int):
+        from wamrl.envs.pool import Query
+
+        return Query(slot, np.zeros((224, 448, 3), np.uint8), np.zeros(8, np.float32))
+
+    def start_episode(self, slot, task, init_state, record_video, max_macro_steps, record_frames):
+        self.left[slot] = self.chunks
+        self.queue.append(self._query(slot))
+
+    def send_chunk(self, slot: int, actions: np.ndarray) -> None:
+        from wamrl.envs.pool import StepResult
+
+        assert actions.shape == (self.replan, 7)
+        self.left[slot] -= 1
+        done = self.left[slot] == 0
+        frames = np.zeros((2, 224, 448, 3), np.uint8)
+        self.flight.append(StepResult(slot, frames, False, done, None, None, self.replan))
+        if not done:
+            self.flight.append(self._query(slot))
+
+    def poll(self, timeout: float | None = None) -> list:
+        if timeout is None:  # block: time passes until the chunks in flight are done
+            assert self.queue or self.flight, "blocking poll with nothing to come"
+            self.queue, self.flight = self.queue + self.flight, []
+        out, self.queue = self.queue, []
+        return out
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_max_batch_caps_each_query_batch_and_serves_the_longest_waiting_first(
+    lockstep: bool, monkeypatch
+) -> None:
+    import wamrl.rollout as rollout
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.tasks import load_tasks
+    from wamrl.policy.tiny import TinyConfig, TinyWAM
+
+    batches: list[list[int]] = []
+    real = rollout._answer
+    monkeypatch.setattr(
+        rollout,
+        "_answer",
+        lambda p, pool, run, slots, *a: (
+            batches.append(list(slots)),
+            real(p, pool, run, slots, *a),
+        ),
+    )
+    cfg = TinyConfig(video_dim=32, action_dim=32, layers=1, heads=2, head_dim=16, text_max_len=4)
+    policy = TinyWAM(cfg).eval()
+    task = load_tasks()[0]
+    specs = [rollout.EpisodeSpec(task, i, i) for i in range(6)]
+    got: dict[int, object] = {}
+    stats = rollout.run_episodes(
+        policy, _ScriptedPool(6, chunks=3), specs, torch.zeros(40, 4, cfg.text_dim),
+        torch.ones(40, 4, dtype=torch.bool), Normalizer.load(ROOT / "data" / "stats.json"),
+        rollout.SamplerSettings(4, 0.5, 5.0, max_batch=4), None, 0, got.__setitem__,
+        torch.device("cpu"), lockstep=lockstep,
+    )  # fmt: skip
+    assert sorted(got) == list(range(6)) and all(d.length == 3 for d in got.values())
+    assert stats["queries"] == 18 and max(len(b) for b in batches) == 4
+    if lockstep:  # every round: all six waiting, answered in slot order, 4 then 2
+        assert batches == [[0, 1, 2, 3], [4, 5]] * 3
+    else:  # the two left over are answered while the first four still step
+        assert batches[:2] == [[0, 1, 2, 3], [4, 5]]

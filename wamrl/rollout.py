@@ -52,6 +52,7 @@ class SamplerSettings:
     shift: float
     cuda_graphs: bool = False  # replay each query as a CUDA graph (wamrl/graphed.py) on CUDA
     amp: torch.dtype | None = None  # sampler.amp: autocast dtype of the model (log pi stays fp32)
+    max_batch: int | None = None  # sampler.max_batch: most queries answered in one batch
 
 
 @dataclass
@@ -71,6 +72,7 @@ class _Running:
     video: list[np.ndarray] = field(default_factory=list)
     video_proprio: list[np.ndarray] = field(default_factory=list)
     pending: tuple[np.ndarray, np.ndarray] | None = None  # the query waiting for a chunk
+    waiting_since: int = 0  # arrival number of the pending query: the longest-waiting go first
 
     def finish(self, crashed: bool) -> EpisodeData:
         t = len(self.frames)  # completed macro-steps (a query without its chunk is dropped)
@@ -166,6 +168,10 @@ def run_episodes(
     same episodes on every rerun and results are bitwise reproducible; otherwise whoever
     waits is answered at once (batch composition then follows process timing).
 
+    sampler.max_batch caps one query batch. Lockstep answers all waiting in batches of that
+    size, in slot order; otherwise the longest-waiting are answered first and the rest in
+    the next batch, so envs fall into groups that step while another group is queried.
+
     record_frames False (eval) skips rendering the +4/+8 frames that only the reward uses.
 
     A crashed env process ends its episode as failed and truncated (env_crashed); the pool
@@ -177,7 +183,12 @@ def run_episodes(
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda":
         graphed = GraphedSampler(
-            policy, sampler.K, sampler.a, sampler.shift, len(pool), amp=sampler.amp
+            policy,
+            sampler.K,
+            sampler.a,
+            sampler.shift,
+            min(len(pool), sampler.max_batch or len(pool)),
+            amp=sampler.amp,
         )
     todo = list(enumerate(specs))
     running: dict[int, _Running] = {}
@@ -202,9 +213,11 @@ def run_episodes(
         job = bar.add_task(description, total=len(specs), info="")
         for slot in range(min(len(pool), len(todo))):
             start(slot)
-        done_count = successes = 0
+        done_count = successes = arrivals = 0
         while running:
-            events = pool.poll(timeout=None)
+            # Queries left unanswered by the batch cap: look for news without blocking.
+            backlog = any(ep.pending is not None for ep in running.values())
+            events = pool.poll(timeout=0.0 if backlog else None)
             events += pool.poll(timeout=0.0)
             for ev in events:
                 ep = running.get(ev.slot)
@@ -212,6 +225,7 @@ def run_episodes(
                     continue
                 if isinstance(ev, Query):
                     ep.pending = (ev.image, normalizer.normalize_state(ev.proprio_raw))
+                    ep.waiting_since, arrivals = arrivals, arrivals + 1
                     if ep.spec.record_video and not ep.video:
                         ep.video.append(ev.image)
                         ep.video_proprio.append(ev.proprio_raw)
@@ -247,22 +261,29 @@ def run_episodes(
                     start(ev.slot)
             waiting = [s for s, ep in running.items() if ep.pending is not None]
             if waiting and (not lockstep or len(waiting) == len(running)):
-                _answer(
-                    policy,
-                    pool,
-                    running,
-                    waiting,
-                    context,
-                    context_mask,
-                    normalizer,
-                    sampler,
-                    generator,
-                    device,
-                    replan,
-                    graphed,
-                )
-                stats["queries"] += len(waiting)
-                stats["batches"] += 1
+                if lockstep:
+                    waiting.sort()
+                else:
+                    waiting.sort(key=lambda s: running[s].waiting_since)
+                cap = sampler.max_batch or len(waiting)
+                parts = [waiting[i : i + cap] for i in range(0, len(waiting), cap)]
+                for part in parts if lockstep else parts[:1]:
+                    _answer(
+                        policy,
+                        pool,
+                        running,
+                        part,
+                        context,
+                        context_mask,
+                        normalizer,
+                        sampler,
+                        generator,
+                        device,
+                        replan,
+                        graphed,
+                    )
+                    stats["queries"] += len(part)
+                    stats["batches"] += 1
     return stats
 
 
