@@ -1,7 +1,7 @@
 """Demos stage: one worker's share of scripted-expert episodes -> demos/shard_{w}.zarr.
 
 Attempts are (task, init state) for every task of demos.suites that has an expert and init
-states 0 .. demos.init_states - 1, split over the W workers in contiguous blocks. Only successful
+states demos.first_init_state onwards (demos.init_states of them, as many as LIBERO has), split over the W workers in contiguous blocks. Only successful
 episodes are stored; the store's attrs keep every attempt's outcome (the expert table).
 With demos.action_noise > 0 the env executes noisy expert actions (wamrl.demos.record).
 """
@@ -25,7 +25,10 @@ def attempts(cfg: dict[str, Any], worker: int) -> list[tuple[Task, int]]:
     tasks = [t for t in tasks_in_suites(d["suites"]) if t.index in SUPPORTED]
     if d["tasks"] is not None:
         tasks = [t for t in tasks if t.index in set(d["tasks"])]
-    pairs = [(t, i) for t in tasks for i in range(min(d["init_states"], t.n_init_states))]
+    first = d["first_init_state"]
+    pairs = [
+        (t, i) for t in tasks for i in range(first, min(first + d["init_states"], t.n_init_states))
+    ]
     W = d["workers"]  # contiguous blocks: a worker makes few envs (4-8 s each on CPU)
     return pairs[worker * len(pairs) // W : (worker + 1) * len(pairs) // W]
 

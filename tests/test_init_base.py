@@ -20,8 +20,9 @@ def test_shipped_base_matches_the_default_config() -> None:
 def test_base_of_other_dims_is_refused_with_the_differing_keys() -> None:
     cfg = load_config()
     policy = copy.deepcopy(cfg["policy"])
-    policy["tiny"]["layers"] = 8
-    with pytest.raises(ValueError, match=r"layers: config 8 vs checkpoint 4"):
+    layers = policy["tiny"]["layers"]  # the shipped base has the default dims
+    policy["tiny"]["layers"] = layers + 2
+    with pytest.raises(ValueError, match=rf"layers: config {layers + 2} vs checkpoint {layers}"):
         check_base_matches(policy, resolve_path(cfg["policy"]["base_checkpoint"]))
     policy["backend"] = "fastwam"
     with pytest.raises(ValueError, match="is a 'tiny' model"):

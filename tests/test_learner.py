@@ -39,6 +39,9 @@ TASK = 3
 def small_cfg() -> dict[str, Any]:
     cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     cfg["device"] = "cpu"
+    # A fresh model smaller than the default (the shipped base's dims): lr 1e-4 Adam steps
+    # in these tests are sized for it.
+    cfg["policy"]["tiny"].update(video_dim=128, action_dim=64, layers=4, heads=2)
     cfg["sampler"]["K"] = 4
     cfg["rollout"]["workers"] = 2
     cfg["rollout"]["group_size"] = 4
