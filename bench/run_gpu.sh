@@ -28,9 +28,10 @@ run python3 bench/bench_policy.py --device cuda --batch 1 32
 run python3 bench/bench_policy.py --device cuda --batch 1 32 --config configs/fullsize.yaml --repeats 10
 # Rollout vs the env-only limit of the same env processes, one env per core.
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) --macro-steps 10
-# Full size: a query is long enough that capping its batch (half the envs) may pay.
+# Full size: an env waits for its own query, so a smaller batch (1/8, 1/4, 1/2 of the envs)
+# waits less while the other envs step.
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) \
-  --macro-steps 10 --config configs/fullsize.yaml --max-batch $((cores / 2))
+  --macro-steps 10 --config configs/fullsize.yaml --max-batch $((cores / 8)) $((cores / 4)) $((cores / 2))
 # Eval of all 40 tasks: batched over the cores vs a sequential single-env loop.
 # CONTEXT_CACHE: task contexts encoded elsewhere, where the box lacks the text encoder.
 run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy --max-macro-steps 10 \

@@ -10,15 +10,20 @@ Used by both the rollout stage (mixed ODE/SDE sampler, K = 8, a = 0.5) and the e
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -105,8 +110,34 @@ class _Running:
         )
 
 
-def progress_bar() -> Progress:
-    return Progress(
+class LoggedProgress(Progress):
+    """A rich Progress that also reports where no live bar can be drawn (a log file: Snakemake
+    jobs, nohup), where rich would print the bar only when it stops: a plain line per task at
+    most every `interval` seconds and when it completes."""
+
+    def __init__(self, *columns: Any, interval: float = 60.0, **kwargs: Any):
+        super().__init__(*columns, **kwargs)
+        self.interval = interval
+        self._printed: dict[TaskID, float] = {}
+
+    def update(self, task_id: TaskID, **kwargs: Any) -> None:
+        super().update(task_id, **kwargs)
+        if self.console.is_terminal:
+            return
+        task = self._tasks[task_id]
+        now = time.monotonic()
+        if task.finished or now - self._printed.get(task_id, -math.inf) >= self.interval:
+            self._printed[task_id] = now
+            eta = task.time_remaining
+            self.console.print(
+                f"{task.description}: {task.completed:.0f}/{task.total:.0f} "
+                f"{task.fields.get('info', '')}  elapsed {task.elapsed or 0:.0f} s"
+                + ("" if eta is None or task.finished else f", ETA {eta:.0f} s")
+            )
+
+
+def progress_bar(interval: float = 60.0, console: Console | None = None) -> Progress:
+    return LoggedProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -114,6 +145,8 @@ def progress_bar() -> Progress:
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
+        interval=interval,
+        console=console,
     )
 
 
