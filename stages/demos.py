@@ -1,8 +1,9 @@
 """Demos stage: one worker's share of scripted-expert episodes -> demos/shard_{w}.zarr.
 
-Attempts are (task, init state) for every task of demos.suites that has an expert and init
-states demos.first_init_state onwards (demos.init_states of them, as many as LIBERO has), split over the W workers in contiguous blocks. Only successful
-episodes are stored; the store's attrs keep every attempt's outcome (the expert table).
+Attempts are (task, init state) for every task of demos.suites that has an expert and
+demos.init_states init states from demos.first_init_state on (as many as LIBERO has), split
+over the W workers in contiguous blocks. Only successful episodes are stored; the store's
+attrs keep every attempt's outcome (the expert table).
 With demos.action_noise > 0 the env executes noisy expert actions (wamrl.demos.record).
 """
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import zarr
 
+from stages.demos import attempts
+from wamrl.config import load_config
 from wamrl.demos import (
     CHUNK,
     Demo,
@@ -288,14 +292,8 @@ def test_dart_noise_is_executed_but_not_recorded() -> None:
 
 
 def test_demo_attempts_start_at_first_init_state_and_split_over_workers() -> None:
-    from pathlib import Path
-
-    from stages.demos import attempts
-    from wamrl.config import load_config
-
-    root = Path(__file__).resolve().parents[1]
     cfg = load_config(
-        [root / "tests" / "micro.yaml"],
+        [Path(__file__).resolve().parent / "micro.yaml"],
         {"demos.tasks": [0, 1], "demos.first_init_state": 10, "demos.init_states": 3,
          "demos.workers": 2},
     )  # fmt: skip

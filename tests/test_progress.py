@@ -16,6 +16,7 @@ def run_bar(terminal: bool, interval: float) -> str:
         job = bar.add_task("eval iter 0", total=4, info="")
         for i in range(4):
             bar.update(job, advance=1, info=f"success {i}/{i + 1}")
+        bar.update(job, info="after the end")  # the final line is printed once
     return out.getvalue()
 
 

@@ -125,9 +125,11 @@ class LoggedProgress(Progress):
         if self.console.is_terminal:
             return
         task = self._tasks[task_id]
-        now = time.monotonic()
-        if task.finished or now - self._printed.get(task_id, -math.inf) >= self.interval:
-            self._printed[task_id] = now
+        now, last = time.monotonic(), self._printed.get(task_id, -math.inf)
+        if last == math.inf:  # its final line is out
+            return
+        if task.finished or now - last >= self.interval:
+            self._printed[task_id] = math.inf if task.finished else now
             eta = task.time_remaining
             self.console.print(
                 f"{task.description}: {task.completed:.0f}/{task.total:.0f} "
