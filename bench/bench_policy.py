@@ -82,6 +82,7 @@ def main() -> None:
     for key in DIMS:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key)
     p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--profile", type=int, default=0, help="CUDA: profile one query of this batch")
     args = p.parse_args()
 
     overrides: dict[str, object] = {}
@@ -139,8 +140,12 @@ def main() -> None:
         table.add_column("CUDA-graph query ms (median)", justify="right")
         table.add_column("graph speed-up", justify="right")
         table.add_column("bf16 CUDA-graph query ms (median)", justify="right")
+        table.add_column("... casting weights per call", justify="right")
         graphed = GraphedSampler(model, K, a, shift, max(args.batch))
         graphed_bf16 = GraphedSampler(model, K, a, shift, max(args.batch), amp=torch.bfloat16)
+        recast_bf16 = GraphedSampler(
+            model, K, a, shift, max(args.batch), amp=torch.bfloat16, cast_once=False
+        )
 
     for b in args.batch:
         obs = random_obs(model, b, text_len, device)
@@ -160,6 +165,9 @@ def main() -> None:
                 )
                 gq16 = timed(
                     lambda obs=obs, gen=gen: graphed_bf16.query(obs, gen), device, 2, args.repeats
+                )
+                gq16r = timed(
+                    lambda obs=obs, gen=gen: recast_bf16.query(obs, gen), device, 2, args.repeats
                 )
                 ref = sample_chunk(
                     model, model.prefill(obs), b, K, a, shift, torch.Generator().manual_seed(5)
@@ -198,12 +206,27 @@ def main() -> None:
                     f"{statistics.median(gq):.2f}",
                     f"{med / statistics.median(gq):.1f}x",
                     f"{statistics.median(gq16):.2f}",
+                    f"{statistics.median(gq16r):.2f}",
                 ]
                 if graphs
                 else []
             ),
         )
     console.print(table)
+    if args.profile:  # where a query's GPU time goes, by op (eager, so each op is visible)
+        from torch.profiler import ProfilerActivity, profile
+
+        from wamrl.rollout import SamplerSettings, query_chunks
+
+        obs = random_obs(model, args.profile, text_len, device)
+        for amp in (None, torch.bfloat16):
+            settings = SamplerSettings(K, a, shift, amp=amp)
+            query_chunks(model, obs, settings, torch.Generator().manual_seed(0))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                query_chunks(model, obs, settings, torch.Generator().manual_seed(0))
+                torch.cuda.synchronize(device)
+            console.print(f"eager query, batch {args.profile}, amp {amp}: top ops by GPU time")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

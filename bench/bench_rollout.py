@@ -1,7 +1,7 @@
 """Rollout throughput against the env-only limit, in one run on the same env processes.
 
     python bench/bench_rollout.py --envs 2 --episodes 4 --macro-steps 4
-    python bench/bench_rollout.py --envs 16 --device cuda      # the GPU box (issue #7)
+    python bench/bench_rollout.py --envs 16 24 --device cuda   # the GPU box (issue #7)
 
 Both modes run the same episodes (one task, init states 0, 1, ...) on one EnvPool whose
 processes are created and warmed up first, and render exactly the same frames (query
@@ -13,10 +13,16 @@ default there, and a fourth does so with the model autocast to bf16 (sampler.amp
 log pi stays float32). Graphs (one per batch bucket) are captured before the timer starts,
 as the stage does once per weights; the capture time is printed beside the table. The
 eager row is warmed up too (CUDA context, cuBLAS), so every row is steady state.
-`--max-batch N ...` adds graphed rows (fp32 and bf16) with sampler.max_batch N: envs then
-step while other envs are queried. Matmuls
-are full float32 as in the stage (no TF32: the learner's log pi check would not hold).
-The ratio policy / env-only is what the policy costs; 1.0 means it costs nothing.
+`--max-batch N ...` adds graphed rows (per --amp dtype) with sampler.max_batch N: envs then
+step while other envs are queried. Matmuls are full float32 as in the stage (no TF32: the
+learner's log pi check would not hold).
+
+Several `--envs` counts each get their own pool and rows, env-only included. More env
+processes than cores is how the latency of a large policy hides: while an env waits for its
+query, another uses its core. "vs limit" divides by the best env-only rate of any count (what
+these cores allow); "vs same envs" by the env-only rate of the row's own pool. 1.0 means the
+policy costs nothing. "answering": the share of the wall time the policy process spent
+answering queries (near 100 %: the queries, not the envs, set the pace).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def env_only(pool, specs, max_macro_steps: int) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--envs", type=int, default=2)
+    p.add_argument("--envs", type=int, nargs="+", default=[2], help="env processes, per pool")
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--macro-steps", type=int, default=4, help="chunks of 10 env steps each")
     p.add_argument("--task", type=int, default=0, help="task index 0..39")
@@ -76,6 +82,9 @@ def main() -> None:
     p.add_argument(
         "--max-batch", type=int, nargs="*", default=[], help="CUDA: sampler.max_batch rows"
     )
+    p.add_argument("--amp", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="CUDA: the dtypes of the graphed rows")  # fmt: skip
+    p.add_argument("--skip-eager", action="store_true", help="no eager policy row")
     args = p.parse_args()
 
     from wamrl.config import load_config
@@ -111,9 +120,10 @@ def main() -> None:
         query_chunks(policy, example, sampler, torch.Generator().manual_seed(0))
     graphed: dict[str, GraphedSampler] = {}
     if device.type == "cuda":
-        for name, amp in (("fp32", None), ("bf16", torch.bfloat16)):
+        for name in args.amp:
+            amp = {"fp32": None, "bf16": torch.bfloat16}[name]
             graphed[name] = GraphedSampler(
-                policy, args.K, s["noise_a"], s["shift"], args.envs, amp=amp
+                policy, args.K, s["noise_a"], s["shift"], max(args.envs), amp=amp
             )
             t0 = time.perf_counter()
             n = graphed[name].warm_up(example)
@@ -127,42 +137,49 @@ def main() -> None:
             args.macro_steps, seed=0, on_episode=lambda i, d: None, device=device,
             description="policy", graphed=graphs,
         )  # fmt: skip
+        busy.append(out["answer_s"])
         return int(out["env_steps"])
 
-    with EnvPool(args.envs, stats, dict(cfg["env"])) as pool:
-        warm = [EpisodeSpec(task, 0, 0)] * args.envs
-        env_only(pool, warm, 1)  # create the env in every process before timing
-        rows = []
-        modes = [
-            ("env only", lambda: env_only(pool, specs, args.macro_steps)),
-            ("policy", policy_run),
-        ]
-        if device.type == "cuda":  # the rollout stage's CUDA path (sampler.cuda_graphs)
-            modes.append(("policy, CUDA graphs", lambda: policy_run(graphed["fp32"])))
-            modes.append(("policy, graphs, bf16", lambda: policy_run(graphed["bf16"])))
-            for n in args.max_batch:  # the graphs' buckets cover every batch size up to envs
-                for name in ("fp32", "bf16"):
-                    modes.append((f"graphs, {name}, batch <= {n}",
-                                  lambda g=graphed[name], n=n: policy_run(g, n)))  # fmt: skip
-        for name, fn in modes:
-            t0 = time.perf_counter()
-            steps = fn()
-            rows.append((name, steps, time.perf_counter() - t0))
+    busy: list[float] = []  # seconds the last policy run spent answering queries
+    rows = []  # (mode, envs, env steps, wall s, env-only rate of this pool, answering share)
+    for n_envs in args.envs:
+        with EnvPool(n_envs, stats, dict(cfg["env"])) as pool:
+            env_only(pool, [EpisodeSpec(task, 0, 0)] * n_envs, 1)  # build every env first
+            modes = [("env only", lambda: env_only(pool, specs, args.macro_steps))]
+            if not args.skip_eager:
+                modes.append(("policy", policy_run))
+            for name, g in graphed.items():  # the rollout stage's CUDA path (cuda_graphs)
+                modes.append((f"policy, CUDA graphs, {name}", lambda g=g: policy_run(g)))
+            for cap in args.max_batch:  # the graphs' buckets cover every batch size
+                for name, g in graphed.items():
+                    modes.append((f"graphs, {name}, batch <= {cap}",
+                                  lambda g=g, cap=cap: policy_run(g, cap)))  # fmt: skip
+            own = None
+            for name, fn in modes:
+                busy.clear()
+                t0 = time.perf_counter()
+                steps = fn()
+                wall = time.perf_counter() - t0
+                own = own or steps / wall
+                rows.append((name, n_envs, steps, wall, own, sum(busy) / wall))
 
     table = Table(
-        title=f"rollout throughput: {args.envs} envs, {args.episodes} episodes x "
-        f"{args.macro_steps} macro-steps, task {task.index}, K={args.K}, {args.device}, "
+        title=f"rollout throughput: {args.episodes} episodes x {args.macro_steps} macro-steps, "
+        f"task {task.index}, K={args.K}, {args.device}, "
         f"{sum(p.numel() for p in policy.parameters()) / 1e6:.1f} M params"
     )
-    for col in ("mode", "env steps", "wall s", "env steps/s", "episodes/h", "vs env only"):
+    cols = ("mode", "envs", "env steps", "wall s", "env steps/s", "episodes/h", "vs same envs",
+            "vs limit", "answering")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="right")
-    base = rows[0][1] / rows[0][2]
-    for name, steps, wall in rows:
+    limit = max(steps / wall for name, _, steps, wall, _, _ in rows if name == "env only")
+    for name, n_envs, steps, wall, own, answering in rows:
         rate = steps / wall
-        eph = args.episodes / wall * 3600
         table.add_row(
-            name, str(steps), f"{wall:.2f}", f"{rate:.1f}", f"{eph:.0f}", f"{rate / base:.3f}"
-        )
+            name, str(n_envs), str(steps), f"{wall:.2f}", f"{rate:.1f}",
+            f"{args.episodes / wall * 3600:.0f}", f"{rate / own:.3f}", f"{rate / limit:.3f}",
+            f"{answering:.0%}" if name != "env only" else "",
+        )  # fmt: skip
     console.print(table)
 
 

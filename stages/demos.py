@@ -57,7 +57,10 @@ def main(cfg: dict[str, Any], run_dir: Path, worker: int) -> None:
             if env is None or env.task.index != task.index:
                 if env is not None:
                     env.close()
-                env = LiberoEnv(task, e["render_size"], e["settle_steps"], seed=cfg["seed"])
+                env = LiberoEnv(
+                    task, e["render_size"], e["settle_steps"], seed=cfg["seed"],
+                    model_cache=e["model_cache"],
+                )  # fmt: skip
             rng = np.random.default_rng([cfg["seed"], task.index, init])  # per attempt
             demo, steps = record(
                 env, make_expert(task), init, task.max_steps, cfg["demos"]["action_noise"], rng

@@ -56,9 +56,6 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     T, Tv = episode_limits(cfg, [s.task for s in specs])
     device = pick_device(cfg)
     torch.set_num_threads(1)  # the cores belong to the env processes
-    policy = load_policy(policy_dir, device=device).eval()
-    context, mask = load_contexts(policy_dir / "context.safetensors")
-    normalizer = Normalizer.load(policy_dir / "stats.json")
     s = cfg["sampler"]
     attrs = {
         "iteration": iteration,
@@ -70,32 +67,36 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
         "config": cfg,
     }
     env_cfg = dict(cfg["env"])
-    with (
-        ShardWriter(
+    # The pool first: its processes import LIBERO while this one loads the policy.
+    with EnvPool(
+        cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]
+    ) as pool:
+        policy = load_policy(policy_dir, device=device).eval()
+        context, mask = load_contexts(policy_dir / "context.safetensors")
+        normalizer = Normalizer.load(policy_dir / "stats.json")
+        with ShardWriter(
             paths.shard_path(run_dir, iteration, worker), len(specs), T, s["K"], Tv, attrs
-        ) as writer,
-        EnvPool(
-            cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]
-        ) as pool,
-    ):
-        run_episodes(
-            policy,
-            pool,
-            specs,
-            context.to(device),
-            mask.to(device),
-            normalizer,
-            SamplerSettings(
-                s["K"],
-                s["noise_a"],
-                s["shift"],
-                s["cuda_graphs"],
-                AMP_DTYPES[s["amp"]],
-                s["max_batch"],
-            ),  # fmt: skip
-            cfg["env"]["max_macro_steps"],
-            seed=int(np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]),
-            on_episode=writer.write_episode,
-            device=device,
-            description=f"rollout iter {iteration} shard {worker}",
-        )
+        ) as writer:
+            run_episodes(
+                policy,
+                pool,
+                specs,
+                context.to(device),
+                mask.to(device),
+                normalizer,
+                SamplerSettings(
+                    s["K"],
+                    s["noise_a"],
+                    s["shift"],
+                    s["cuda_graphs"],
+                    AMP_DTYPES[s["amp"]],
+                    s["max_batch"],
+                ),  # fmt: skip
+                cfg["env"]["max_macro_steps"],
+                seed=int(
+                    np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]
+                ),
+                on_episode=writer.write_episode,
+                device=device,
+                description=f"rollout iter {iteration} shard {worker}",
+            )

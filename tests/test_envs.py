@@ -161,24 +161,58 @@ def test_image_orientation_by_projection(env):
 
 
 @pytest.mark.libero
-def test_msaa_off_changes_only_edges(env):
-    from wamrl.envs.libero_env import _set_msaa
+def test_msaa_off_and_the_model_cache(env, tmp_path):
+    """MSAA off (set on the model before robosuite makes its GL context) changes only edges;
+    a build from the compiled-model cache renders and steps exactly like a fresh compile."""
+    from wamrl.envs.libero_env import LiberoEnv
 
-    env.reset(0)
-    t0 = time.perf_counter()
-    on = [env.render_now() for _ in range(2)][-1]
-    t_on = (time.perf_counter() - t0) / 2
-    _set_msaa(env.sim, 0)
-    try:
+    def run(e: LiberoEnv) -> tuple[np.ndarray, np.ndarray]:
+        e.reset(0)
+        frames = [e.render()]
+        for _ in range(3):
+            e.step(np.array([0.5, 0, 0, 0, 0, 0, -1.0]), render=True)
+            frames.append(e.render())
+        return np.stack(frames), e.proprio()
+
+    on = run(env)
+    builds = []
+    for _ in range(2):  # compiles and writes the .mjb, then loads it
         t0 = time.perf_counter()
-        off = [env.render_now() for _ in range(2)][-1]
-        t_off = (time.perf_counter() - t0) / 2
-    finally:
-        _set_msaa(env.sim, 4)
-    diff = np.abs(off.astype(int) - on).mean()
-    print(f"MSAA on {t_on * 1e3:.0f} ms, off {t_off * 1e3:.0f} ms, mean |diff| {diff:.2f}/255")
-    assert 0 < diff < 4.0
-    assert np.array_equal(env.render_now(), on)  # restored
+        with LiberoEnv(env.task, model_cache=tmp_path) as e:
+            builds.append(time.perf_counter() - t0)
+            off = run(e)
+            assert e.sim.model.vis.quality.offsamples == 0
+        if len(builds) == 1:
+            first = off
+    print(f"env build: compile {builds[0]:.2f} s, from the cache {builds[1]:.2f} s")
+    env.sim._render_context_offscreen.gl_ctx.make_current()  # the module's env renders on
+    assert len(list(tmp_path.glob("*.mjb"))) == 1
+    assert np.array_equal(first[0], off[0]) and np.array_equal(first[1], off[1])
+    diff = np.abs(off[0].astype(int) - on[0]).mean()
+    assert 0 < diff < 4.0, diff  # antialiased edges only
+    np.testing.assert_allclose(off[1], on[1], atol=1e-5)  # rendering never touches physics
+
+
+def test_compile_model_cache_survives_a_damaged_file(tmp_path, monkeypatch):
+    import mujoco
+
+    monkeypatch.chdir(tmp_path)  # MuJoCo logs the failed load to ./MUJOCO_LOG.TXT
+
+    from wamrl.envs.libero_env import compile_model
+
+    xml = "<mujoco><worldbody><body><freejoint/><geom size='0.1'/></body></worldbody></mujoco>"
+    fresh = compile_model(xml, None)
+    first = compile_model(xml, tmp_path)
+    (path,) = tmp_path.glob("*.mjb")
+    cached = compile_model(xml, tmp_path)
+    for m in (first, cached):
+        assert m.nbody == fresh.nbody and np.array_equal(m.geom_size, fresh.geom_size)
+    path.write_bytes(b"not a model")  # e.g. written by another MuJoCo build
+    again = compile_model(xml, tmp_path)
+    assert again.nbody == fresh.nbody
+    assert isinstance(mujoco.MjModel.from_binary_path(str(path)), mujoco.MjModel)  # rewritten
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert len(list(tmp_path.glob("*.mjb"))) == 1
 
 
 @pytest.mark.libero

@@ -139,3 +139,34 @@ def test_bf16_cuda_graph_replays_the_eager_bf16_query() -> None:
         torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-3)
         torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=5e-2)
     assert sampler.captures == 1
+
+
+def test_bf16_weight_copy_equals_autocast_to_the_bit_and_follows_weight_updates() -> None:
+    """Under sampler.amp queries run matmul_weights_in's copy (weights stored in bf16, LoRA
+    folded): exactly what autocast computes on the fp32 policy, rebuilt when weights change."""
+    from wamrl.graphed import matmul_weights_in
+    from wamrl.policy.lora import LoRALinear
+    from wamrl.rollout import SamplerSettings, query_chunks
+
+    policy, obs = _policy_and_obs(3)
+    bf16 = SamplerSettings(6, 0.5, 5.0, amp=torch.bfloat16)
+    sampler = GraphedSampler(policy, 6, 0.5, 5.0, 4, amp=torch.bfloat16)
+
+    def check(seed: int) -> None:
+        with torch.no_grad():
+            ref = query_chunks(policy, obs, bf16, torch.Generator().manual_seed(seed))
+        out = sampler.query(obs, torch.Generator().manual_seed(seed))
+        assert torch.equal(out.chain, ref.chain) and torch.equal(out.logp, ref.logp)
+
+    check(1)
+    copy = sampler._model
+    assert copy is not policy and not any(isinstance(m, LoRALinear) for m in copy.modules())
+    assert copy.video_blocks[0].qkv.weight.dtype == torch.bfloat16
+    assert copy.video_blocks[0].norm1.weight.dtype == torch.float32  # norms stay fp32
+    with torch.no_grad():  # a world-model update: LoRA B moves off zero, folded into the copy
+        for m in policy.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_b.normal_(0, 0.05)
+    check(2)
+    assert sampler._model is not copy
+    assert matmul_weights_in(copy, torch.bfloat16) is copy  # stored in bf16 already: no copy

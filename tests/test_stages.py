@@ -142,8 +142,9 @@ def test_eval_two_tasks_writes_contract_json(rollout_run):
     report = json.loads(paths.eval_json(run, 0).read_text())
     assert set(report) == {
         "iteration", "checkpoint_sha256", "episodes_per_task", "tasks", "suites",
-        "average", "env_crashed", "wall_time_s", "config",
+        "average", "env_crashed", "wall_time_s", "first_query_s", "config",
     }  # fmt: skip
+    assert 0 < report["first_query_s"] < report["wall_time_s"]
     assert report["env_crashed"] == 0
     assert report["iteration"] == 0 and report["episodes_per_task"] == 1
     assert report["checkpoint_sha256"] == sha256_file(

@@ -17,6 +17,12 @@ records them once and replays them with one launch. What that needs, and how it 
   dropped and re-captured when any parameter's storage or version has changed.
 - Log-probs stay float32: velocities are cast to float32 before the sampler math. With
   sampler.amp the model runs under autocast, recorded into the graph like any other op.
+- Weights in the autocast dtype: autocast casts every fp32 matmul weight again on every
+  call (its cast cache cannot live inside a graph), which at full size reads and writes
+  more bytes than the bf16 matmuls themselves. So queries run a copy of the policy whose
+  Linear and Conv weights are stored in that dtype once per weights (LoRA folded in first,
+  as the fp32 path folds it); norms stay fp32. Autocast would have made exactly those casts,
+  so the result is the same to the bit (tests/test_graphed.py).
 
 On a CPU device the same static-noise path runs eagerly (no graph), which is what the
 tests compare against `sample_chunk`.
@@ -24,13 +30,15 @@ tests compare against `sample_chunk`.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs, Policy
+from wamrl.policy.lora import LoRALinear
 from wamrl.runtime import autocast
 from wamrl.sampler import SampleResult, gaussian_log_prob, ode_step, sde_mean_std, sigma_schedule
 
@@ -86,6 +94,41 @@ def denoise_static(
     return torch.stack(chain, 1), logp
 
 
+MATMUL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
+
+
+def matmul_weights_in(policy: Policy, dtype: torch.dtype) -> Policy:
+    """A no-grad copy of `policy` whose Linear / Conv weights and biases are stored in `dtype`,
+    LoRA folded in (each LoRALinear becomes its base Linear); other tensors are copied as
+    they are. Under autocast to `dtype` it computes what the policy computes under that
+    autocast, without casting every weight on every call. Returns the policy itself when
+    its matmul weights are stored in `dtype` already (the Fast-WAM backend in bf16)."""
+    layers = [m for m in policy.modules() if isinstance(m, MATMUL_MODULES)]
+    if all(m.weight.dtype == dtype for m in layers):
+        return policy
+
+    def low(t: Tensor) -> nn.Parameter:
+        return nn.Parameter(t.detach().to(dtype), requires_grad=False)
+
+    memo: dict[int, object] = {}  # deepcopy's memo: what each original tensor becomes
+    with torch.no_grad():
+        for m in policy.modules():
+            if isinstance(m, LoRALinear):
+                w = m.folded_weight()  # W + scale B A, memoised on the module (or W itself)
+                memo[id(m.base.weight)] = memo[id(w)] = low(w)
+                memo[id(m.lora_a)] = memo[id(m.lora_b)] = None  # folded in: not copied
+        for m in layers:
+            memo.setdefault(id(m.weight), low(m.weight))
+            if m.bias is not None:
+                memo[id(m.bias)] = low(m.bias)
+    shadow = copy.deepcopy(policy, memo)
+    for name, m in list(shadow.named_modules()):
+        if isinstance(m, LoRALinear):
+            parent, _, attr = name.rpartition(".")
+            setattr(shadow.get_submodule(parent), attr, m.base)
+    return shadow.eval().requires_grad_(False)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -105,8 +148,11 @@ class GraphedSampler:
         shift: float,
         max_batch: int,
         amp: torch.dtype | None = None,
+        cast_once: bool = True,
     ):
+        """cast_once False keeps autocast's per-call weight casts (benchmarks compare)."""
         self.policy, self.K, self.a, self.amp = policy, K, a, amp
+        self.cast_once = cast_once
         self.device = next(policy.parameters()).device
         self.sigmas = sigma_schedule(K, shift).to(self.device)
         self.buckets = [1]
@@ -115,6 +161,7 @@ class GraphedSampler:
         self.use_graphs = self.device.type == "cuda"
         self._graphs: dict[tuple, _Graph] = {}
         self._signature: tuple | None = None
+        self._model: Policy = policy  # what queries run: under amp, matmul_weights_in(policy)
         self.captures = 0  # graphs captured so far (benchmarks and tests read it)
 
     def weights_signature(self) -> tuple:
@@ -131,6 +178,7 @@ class GraphedSampler:
         self, obs: Obs, generator: torch.Generator | None, x0: Tensor | None = None
     ) -> SampleResult:
         batch = obs.batch_size
+        self._sync_weights()
         x0, k_star, xi = draw_noise(batch, self.K, self.a, generator, x0)
         inputs = (obs.image, obs.proprio, obs.context, obs.context_mask, x0, k_star, xi)
         if self.use_graphs:
@@ -156,9 +204,20 @@ class GraphedSampler:
         chain, logp = self._denoise(Obs(*dev[:4]), *dev[4:])
         return SampleResult(chain, dev[5], logp)
 
+    def _sync_weights(self) -> None:
+        """New or updated weights: every graph (it holds pointers) and the low-precision
+        copy are stale."""
+        signature = self.weights_signature()
+        if signature != self._signature:
+            self._graphs.clear()
+            self._model = self.policy  # the old copy goes before the new one is made
+            if self.amp is not None and self.cast_once:
+                self._model = matmul_weights_in(self.policy, self.amp)
+            self._signature = signature
+
     def _denoise(self, obs: Obs, *noise: Tensor) -> tuple[Tensor, Tensor]:
         with autocast(self.device, self.amp):
-            return denoise_static(self.policy, obs, *noise, sigmas=self.sigmas, a=self.a)
+            return denoise_static(self._model, obs, *noise, sigmas=self.sigmas, a=self.a)
 
     def warm_up(self, obs: Obs) -> int:
         """Query every bucket once with obs's first row repeated (throwaway noise), so that a
@@ -173,10 +232,6 @@ class GraphedSampler:
         return self.captures - before
 
     def _graph_for(self, size: int, inputs: tuple[Tensor, ...]) -> _Graph:
-        signature = self.weights_signature()
-        if signature != self._signature:  # new or updated weights: every graph is stale
-            self._graphs.clear()
-            self._signature = signature
         key = (size,) + tuple(tuple(t.shape[1:]) + (t.dtype,) for t in inputs)
         if key not in self._graphs:
             self._graphs[key] = self._capture(size, inputs)

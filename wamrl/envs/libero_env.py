@@ -14,8 +14,12 @@ Set MUJOCO_GL (egl | osmesa) before constructing one: robosuite picks its GL bac
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,17 +31,55 @@ CAMERAS = ("agentview", "robot0_eye_in_hand")
 DEFAULT_HORIZON = 1000  # LIBERO's ControlEnv default; Fast-WAM's eval never reaches it
 
 
-def _set_msaa(sim: Any, samples: int) -> None:
-    """Rebuild the offscreen MjrContext with `samples` multisamples (0 = MSAA off).
+@contextlib.contextmanager
+def _model_loading(offsamples: int | None, cache_dir: Path | None) -> Iterator[None]:
+    """While a robosuite env is built, its MjModel comes from `compile_model`.
 
-    MuJoCo reads vis.quality.offsamples when the context is created, so the context is
-    re-made in place. Off halves llvmpipe render time; edges then differ by a few levels.
-    """
-    ctx = sim._render_context_offscreen
-    sim.model._model.vis.quality.offsamples = samples
-    ctx.gl_ctx.make_current()
-    ctx.con.free()
-    ctx._set_mujoco_context_and_buffers()
+    Two costs of building an env go away (together ~60 % of it): MuJoCo's compile of the
+    scene XML (meshes, convex hulls: 1-3 s per task), loaded instead from a binary .mjb of
+    the same XML when cached; and a second GL context, since MSAA is set on the model before
+    robosuite makes the context (MuJoCo reads vis.quality.offsamples only then).
+    robosuite builds the sim in exactly one place, MjSim.from_xml_string; it is swapped only
+    for the duration of the build."""
+    from robosuite.utils.binding_utils import MjSim
+
+    original = MjSim.__dict__["from_xml_string"]
+
+    def from_xml_string(cls: type, xml: str) -> Any:
+        model = compile_model(xml, cache_dir)
+        if offsamples is not None:
+            model.vis.quality.offsamples = offsamples
+        return cls(model)
+
+    MjSim.from_xml_string = classmethod(from_xml_string)
+    try:
+        yield
+    finally:
+        MjSim.from_xml_string = original
+
+
+def compile_model(xml: str, cache_dir: Path | None) -> Any:
+    """mujoco.MjModel.from_xml_string(xml), via `cache_dir`/<sha256 of xml + MuJoCo version>.mjb.
+
+    The XML names every asset by its absolute path, so the key changes with the install.
+    Written to a temp name and renamed: env processes building at once never read half a file."""
+    import mujoco
+
+    if cache_dir is None:
+        return mujoco.MjModel.from_xml_string(xml)
+    key = hashlib.sha256(f"{mujoco.__version__}\n{xml}".encode()).hexdigest()
+    path = Path(cache_dir).expanduser() / f"{key}.mjb"
+    if path.is_file():
+        try:
+            return mujoco.MjModel.from_binary_path(str(path))
+        except Exception:  # unreadable (another MuJoCo build, a damaged file): compile anew
+            pass
+    model = mujoco.MjModel.from_xml_string(xml)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    mujoco.mj_saveModel(model, str(tmp), None)
+    os.replace(tmp, path)
+    return model
 
 
 class LiberoEnv:
@@ -50,7 +92,11 @@ class LiberoEnv:
         settle_steps: int = 30,
         seed: int = 0,
         msaa: bool = False,
+        model_cache: Path | str | None = None,
     ):
+        """msaa False renders without multisampling (half the render time on a CPU
+        renderer; edges differ by a few levels). model_cache: a folder of compiled scene
+        models (.mjb, see compile_model), None to compile every build."""
         if "MUJOCO_GL" not in os.environ:
             raise RuntimeError("set MUJOCO_GL (egl or osmesa) before creating a LiberoEnv")
         from libero.libero.envs import OffScreenRenderEnv
@@ -61,17 +107,17 @@ class LiberoEnv:
         self.msaa = msaa
         t0 = time.perf_counter()
         np.random.seed(seed)  # robosuite's placement samplers draw from numpy's global RNG
-        self.env = OffScreenRenderEnv(
-            bddl_file_name=str(task.bddl_path()),
-            camera_names=list(CAMERAS),
-            camera_heights=render_size,
-            camera_widths=render_size,
-            use_camera_obs=True,  # gated below: renders only when asked
-            hard_reset=False,  # soft reset keeps the sim and GL context: 0.5 s instead of 4-6 s
-            horizon=max(DEFAULT_HORIZON, settle_steps + task.max_steps),
-        )
-        if not msaa:
-            _set_msaa(self.env.sim, 0)
+        cache = None if model_cache is None else Path(model_cache)
+        with _model_loading(None if msaa else 0, cache):
+            self.env = OffScreenRenderEnv(
+                bddl_file_name=str(task.bddl_path()),
+                camera_names=list(CAMERAS),
+                camera_heights=render_size,
+                camera_widths=render_size,
+                use_camera_obs=True,  # gated below: renders only when asked
+                hard_reset=False,  # soft reset keeps sim and GL context: 0.5 s, not 4-6 s
+                horizon=max(DEFAULT_HORIZON, settle_steps + task.max_steps),
+            )
         self._render_on = False
         self._gate_camera_sensors()
         self.init_states = task.init_states()

@@ -136,6 +136,9 @@ def _run_chunk(env: Any, ep: _Episode, actions: np.ndarray) -> tuple[dict[str, A
 
 
 def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
+    # The policy process answers every env's query, so its latency is every env's latency:
+    # env workers (CPU-bound, often more of them than cores) run at a lower priority.
+    os.nice(5)
     os.environ["MUJOCO_GL"] = str(cfg_env.get("mujoco_gl", "egl"))
     os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
     from wamrl.envs.libero_env import LiberoEnv  # imports robosuite: after MUJOCO_GL
@@ -159,6 +162,7 @@ def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
                         settle_steps=int(cfg_env.get("settle_steps", 30)),
                         seed=seed,
                         msaa=bool(cfg_env.get("msaa", False)),
+                        model_cache=cfg_env.get("model_cache"),
                     )
                 ep = _Episode(task, record_video, max_macro_steps, record_frames)
                 env.reset(init_state)  # renders the last settle step
