@@ -23,19 +23,21 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 cores=$(nproc)
 run() { echo; echo "== $*"; "$@"; }
 
-# Query latency, eager vs CUDA graph (prefill + K = 8), batch 1 and 32.
-run python3 bench/bench_policy.py --device cuda --batch 1 32
-run python3 bench/bench_policy.py --device cuda --batch 1 32 --config configs/fullsize.yaml --repeats 10
-# Rollout vs the env-only limit of the same env processes, one env per core.
-run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) --macro-steps 10
-# Full size: an env waits for its own query, so a smaller batch (1/8, 1/4, 1/2 of the envs)
-# waits less while the other envs step.
-run python3 bench/bench_rollout.py --device cuda --envs "$cores" --episodes $((2 * cores)) \
-  --macro-steps 10 --config configs/fullsize.yaml --max-batch $((cores / 8)) $((cores / 4)) $((cores / 2))
-# Eval of all 40 tasks: batched over the cores vs a sequential single-env loop.
-# CONTEXT_CACHE: task contexts encoded elsewhere, where the box lacks the text encoder.
-run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy --max-macro-steps 10 \
-  ${CONTEXT_CACHE:+--context-cache "$CONTEXT_CACHE"}
+# Query latency, eager vs CUDA graph (prefill + K = 8), fp32 and bf16.
+run python3 bench/bench_policy.py --device cuda --batch 1 8 16 32
+run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 --config configs/fullsize.yaml --repeats 10
+# Rollout vs the env-only limit: one env per core, and 1.5 per core (an env waiting for its
+# query frees its core for another); the limit is the best env-only rate of the two.
+over=$((cores * 3 / 2))
+run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
+  --macro-steps 10 --skip-eager
+run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
+  --macro-steps 10 --config configs/fullsize.yaml --skip-eager --amp bf16 --max-batch $((cores / 2))
+# Eval of all 40 tasks: batched over one env per core, vs the stage on one env and vs the
+# loop of Fast-WAM's own eval script. CONTEXT_CACHE: task contexts encoded elsewhere, where
+# the box lacks the text encoder.
+run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy \
+  --max-macro-steps 10 --fastwam-style ${CONTEXT_CACHE:+--context-cache "$CONTEXT_CACHE"}
 # Learner: PPO macro-steps/s, fp32 and bf16, tiny and full-size (with MFU).
 run python3 bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
 # Full size: one minibatch. With random 5 B weights, one Adam step moves log pi so far that
