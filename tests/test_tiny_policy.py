@@ -349,3 +349,27 @@ def test_imagine_shape_range_and_determinism() -> None:
     sat = model.imagine(obs, 1, steps=1, generator=torch.Generator().manual_seed(0))
     assert sat.shape == (B, 1, 3, 224, 448)
     assert float(sat.abs().max()) > 0.99 and float(sat.min()) >= -1.0 and float(sat.max()) <= 1.0
+
+
+def test_apply_rope_rotates_each_pair_by_its_angle() -> None:
+    from wamrl.policy.tiny import apply_rope, rope_angles, rotation
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 8)
+    angles = rope_angles(torch.arange(5), 8)  # [5, 4]: pair i of token n turns by angles[n, i]
+    out = apply_rope(x, rotation(angles))
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = angles.cos(), angles.sin()
+    torch.testing.assert_close(out[..., 0::2], x1 * c - x2 * s, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[..., 1::2], x1 * s + x2 * c, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[:, :, 0], x[:, :, 0])  # position 0: no rotation
+    pair_norm = (out.unflatten(-1, (-1, 2)) ** 2).sum(-1)
+    torch.testing.assert_close(pair_norm, (x.unflatten(-1, (-1, 2)) ** 2).sum(-1))
+    # relative positions: <R(m) q, R(n) k> depends on m - n only
+    q, k = torch.randn(8), torch.randn(8)
+    rot = rotation(rope_angles(torch.arange(6), 8))
+
+    def at(v: torch.Tensor, n: int) -> torch.Tensor:
+        return apply_rope(v.expand(1, 1, 6, 8), rot)[0, 0, n]
+
+    torch.testing.assert_close(at(q, 3) @ at(k, 1), at(q, 4) @ at(k, 2), rtol=1e-5, atol=1e-5)

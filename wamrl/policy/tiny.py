@@ -110,16 +110,20 @@ def rope_angles(pos: Tensor, dim: int) -> Tensor:
 
 
 def rotation(angles: Tensor) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of RoPE angles, computed once per forward and shared by every layer."""
-    return angles.cos(), angles.sin()
+    """RoPE angles [N, D/2] -> (cos, signed sin), each [N, D] in pair layout: cos of pair i
+    at 2i and 2i+1, sin as (-sin, +sin). Computed once per forward, shared by every layer."""
+    cos, sin = angles.cos(), angles.sin()
+    return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
 
 
 def apply_rope(x: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
-    """x [B, H, N, D], rot = rotation(angles [N, D/2]): rotate consecutive pairs."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = rot
-    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
-    return out.flatten(-2)
+    """x [B, H, N, D]: rotate each consecutive pair (x1, x2) by its angle, i.e.
+    (x1 cos - x2 sin, x1 sin + x2 cos) = x * cos + swap(x) * (-sin, sin), swap(x) = (x2, x1).
+    Four kernels (seven for the pairwise form); the same products and sums, so the same bits.
+    (This runs ~500 times per full-size query, where kernel count, not FLOPs, sets latency.)"""
+    cos, signed_sin = rot
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 def video_rope(frames: int, head_dim: int, device: torch.device) -> Tensor:
@@ -203,6 +207,7 @@ class Cache:
     # are the same at every denoising step; velocity() fills this in only without autograd
     # (the rollout), so the actor's gradient still reaches cross_kv and the proprio encoder.
     action_ctx_kv: list[tuple[Tensor, Tensor]] | None = None
+    action_rot: tuple[Tensor, Tensor] | None = None  # the action tokens' RoPE (constant)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -346,7 +351,10 @@ class TinyWAM(Policy):
 
     def velocity(self, cache: Cache, x: Tensor, sigma: Tensor) -> Tensor:
         ha = self.action_tokens(x, sigma.expand(x.shape[0]))
-        ang = rotation(rope_angles(torch.arange(CHUNK_LEN, device=x.device), self.cfg.head_dim))
+        if cache.action_rot is None:  # the same at every step: no parameters in it
+            pos = torch.arange(CHUNK_LEN, device=x.device)
+            cache.action_rot = rotation(rope_angles(pos, self.cfg.head_dim))
+        ang = cache.action_rot
         actx, amask = self.action_context(cache.context, cache.context_mask, cache.proprio)
         if torch.is_grad_enabled():
             ctx_kv = [ab.context_kv(actx) for ab in self.action_blocks]
