@@ -15,7 +15,8 @@ success can differ only through float effects of batch composition. Several --en
 each get both batched rows: more env processes than cores can hide the env builds and
 the queries (an env waiting for either frees its core), at the price of more processes
 sharing the cores. "first query" is the part of the wall time before the first batch was
-answered: process start-up, env builds and resets, policy load and CUDA-graph capture.
+answered, counted from the episodes' start (after the policy loaded): env builds and
+resets, CUDA-graph capture.
 
 Every mode starts from the same compiled-model cache (env.model_cache): --model-cache warm
 (default) fills a fresh one with all tasks' scenes before the timer, as after a run's first

@@ -83,6 +83,8 @@ def main() -> None:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key)
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--profile", type=int, default=0, help="CUDA: profile one query of this batch")
+    p.add_argument("--compile", action="store_true", help="CUDA: a bf16 graph column with "
+                   "torch.compile'd layers (sampler.compile)")  # fmt: skip
     args = p.parse_args()
 
     overrides: dict[str, object] = {}
@@ -146,6 +148,11 @@ def main() -> None:
         recast_bf16 = GraphedSampler(
             model, K, a, shift, max(args.batch), amp=torch.bfloat16, cast_once=False
         )
+        if args.compile:
+            table.add_column("bf16 graph, compiled layers", justify="right")
+            compiled_bf16 = GraphedSampler(
+                model, K, a, shift, max(args.batch), amp=torch.bfloat16, compile=True
+            )
 
     for b in args.batch:
         obs = random_obs(model, b, text_len, device)
@@ -169,10 +176,21 @@ def main() -> None:
                 gq16r = timed(
                     lambda obs=obs, gen=gen: recast_bf16.query(obs, gen), device, 2, args.repeats
                 )
+                if args.compile:
+                    t0 = time.perf_counter()
+                    compiled_bf16.query(obs, gen)
+                    console.print(f"batch {b}: compile + capture {time.perf_counter() - t0:.1f} s")
+                    gqc = timed(
+                        lambda obs=obs, gen=gen: compiled_bf16.query(obs, gen), device, 2,
+                        args.repeats,
+                    )  # fmt: skip
                 ref = sample_chunk(
                     model, model.prefill(obs), b, K, a, shift, torch.Generator().manual_seed(5)
                 )
-                for name, g in (("CUDA graph", graphed), ("bf16 CUDA graph", graphed_bf16)):
+                checks = [("CUDA graph", graphed), ("bf16 CUDA graph", graphed_bf16)]
+                if args.compile:
+                    checks.append(("compiled bf16 CUDA graph", compiled_bf16))
+                for name, g in checks:
                     out = g.query(obs, torch.Generator().manual_seed(5))
                     console.print(
                         f"batch {b}: {name} vs eager fp32, same noise: max |chain diff| "
@@ -207,6 +225,7 @@ def main() -> None:
                     f"{med / statistics.median(gq):.1f}x",
                     f"{statistics.median(gq16):.2f}",
                     f"{statistics.median(gq16r):.2f}",
+                    *([f"{statistics.median(gqc):.2f}"] if args.compile else []),
                 ]
                 if graphs
                 else []

@@ -14,7 +14,8 @@ log pi stays float32). Graphs (one per batch bucket) are captured before the tim
 as the stage does once per weights; the capture time is printed beside the table. The
 eager row is warmed up too (CUDA context, cuBLAS), so every row is steady state.
 `--max-batch N ...` adds graphed rows (per --amp dtype) with sampler.max_batch N: envs then
-step while other envs are queried. Matmuls are full float32 as in the stage (no TF32: the
+step while other envs are queried. `--compile` adds graphed rows whose layers are
+torch.compile'd first (sampler.compile; the compile time is printed with the capture time). Matmuls are full float32 as in the stage (no TF32: the
 learner's log pi check would not hold).
 
 Several `--envs` counts each get their own pool and rows, env-only included. More env
@@ -85,6 +86,8 @@ def main() -> None:
     p.add_argument("--amp", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="CUDA: the dtypes of the graphed rows")  # fmt: skip
     p.add_argument("--skip-eager", action="store_true", help="no eager policy row")
+    p.add_argument("--compile", action="store_true", help="CUDA: also graphed rows with "
+                   "torch.compile'd layers (sampler.compile)")  # fmt: skip
     args = p.parse_args()
 
     from wamrl.config import load_config
@@ -120,11 +123,13 @@ def main() -> None:
         query_chunks(policy, example, sampler, torch.Generator().manual_seed(0))
     graphed: dict[str, GraphedSampler] = {}
     if device.type == "cuda":
-        for name in args.amp:
+        for name, compiled in [(n, c) for c in [False] + [True] * args.compile for n in args.amp]:
             amp = {"fp32": None, "bf16": torch.bfloat16}[name]
+            name += ", compiled" if compiled else ""
             graphed[name] = GraphedSampler(
-                policy, args.K, s["noise_a"], s["shift"], max(args.envs), amp=amp
-            )
+                policy, args.K, s["noise_a"], s["shift"], max(args.envs), amp=amp,
+                compile=compiled,
+            )  # fmt: skip
             t0 = time.perf_counter()
             n = graphed[name].warm_up(example)
             console.print(f"CUDA graphs, {name}: {n} captured (buckets {graphed[name].buckets})"

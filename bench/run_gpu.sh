@@ -24,15 +24,16 @@ cores=$(nproc)
 run() { echo; echo "== $*"; "$@"; }
 
 # Query latency, eager vs CUDA graph (prefill + K = 8), fp32 and bf16.
-run python3 bench/bench_policy.py --device cuda --batch 1 8 16 32
-run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 --config configs/fullsize.yaml --repeats 10
+# --compile: a column with torch.compile'd layers (sampler.compile), compile time printed.
+run python3 bench/bench_policy.py --device cuda --batch 1 8 16 32 --compile
+run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 --config configs/fullsize.yaml --repeats 10 --compile
 # Rollout vs the env-only limit: one env per core, and 1.5 per core (an env waiting for its
 # query frees its core for another); the limit is the best env-only rate of the two.
 over=$((cores * 3 / 2))
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
   --macro-steps 10 --skip-eager
 run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
-  --macro-steps 10 --config configs/fullsize.yaml --skip-eager --amp bf16 --max-batch $((cores / 2))
+  --macro-steps 10 --config configs/fullsize.yaml --skip-eager --amp bf16 --compile
 # Eval of all 40 tasks: batched over one env per core, vs the stage on one env and vs the
 # loop of Fast-WAM's own eval script. CONTEXT_CACHE: task contexts encoded elsewhere, where
 # the box lacks the text encoder.

@@ -102,8 +102,14 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             mask.to(device),
             normalizer,
             SamplerSettings(
-                e["K"], 0.0, s["shift"], s["cuda_graphs"], AMP_DTYPES[s["amp"]], s["max_batch"]
-            ),
+                e["K"],
+                0.0,
+                s["shift"],
+                s["cuda_graphs"],
+                AMP_DTYPES[s["amp"]],
+                s["max_batch"],
+                s["compile"],
+            ),  # fmt: skip
             e["max_macro_steps"],
             seed=e["seed"],
             on_episode=on_episode,
@@ -118,7 +124,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         "episodes_per_task": e["episodes_per_task"],
         **summarise(tasks, results),
         "wall_time_s": round(time.time() - start, 2),
-        # of which: env builds, first resets, policy load and graph capture
+        # of which, after the policy loaded: env builds, first resets, graph capture
         "first_query_s": round(stats.get("first_query_s", float("nan")), 2),
         "config": cfg,
     }

@@ -91,6 +91,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                     s["cuda_graphs"],
                     AMP_DTYPES[s["amp"]],
                     s["max_batch"],
+                    s["compile"],
                 ),  # fmt: skip
                 cfg["env"]["max_macro_steps"],
                 seed=int(

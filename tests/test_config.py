@@ -17,6 +17,7 @@ def test_default_is_valid_and_complete():
         "cuda_graphs": True,
         "amp": None,
         "max_batch": None,
+        "compile": False,
     }
     assert (cfg["actor"]["amp"], cfg["actor"]["logp_old"]) == (None, "rollout")
 

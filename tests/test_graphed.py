@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -170,3 +172,29 @@ def test_bf16_weight_copy_equals_autocast_to_the_bit_and_follows_weight_updates(
     check(2)
     assert sampler._model is not copy
     assert matmul_weights_in(copy, torch.bfloat16) is copy  # stored in bf16 already: no copy
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")  # fmt: skip
+def test_compiled_layers_answer_like_the_eager_policy_and_share_its_weights() -> None:
+    """sampler.compile: the query copy (weights shared, LoRA folded) with torch.compile'd
+    layers gives the eager query's chain and log pi; the policy itself is left as it was."""
+    policy, obs = _policy_and_obs(3)
+    sampler = GraphedSampler(policy, K=4, a=0.5, shift=5.0, max_batch=4, compile=True)
+    for batch in (3, 2):  # a second batch size: dynamic shapes, no recompile per size
+        part = Obs(*(t[:batch] for t in (obs.image, obs.proprio, obs.context, obs.context_mask)))
+        with torch.no_grad():
+            ref = sample_chunk(
+                policy, policy.prefill(part), batch, 4, 0.5, 5.0,
+                torch.Generator().manual_seed(batch),
+            )  # fmt: skip
+        out = sampler.query(part, torch.Generator().manual_seed(batch))
+        torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=1e-3)
+    copy = sampler._model
+    assert copy is not policy
+    assert (
+        copy.action_blocks[0].qkv.weight.data_ptr() == policy.action_blocks[0].qkv.weight.data_ptr()
+    )
+    assert "finish" in vars(copy.action_blocks[0]) and "finish" not in vars(policy.action_blocks[0])

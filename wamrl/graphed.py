@@ -17,6 +17,9 @@ records them once and replays them with one launch. What that needs, and how it 
   dropped and re-captured when any parameter's storage or version has changed.
 - Log-probs stay float32: velocities are cast to float32 before the sampler math. With
   sampler.amp the model runs under autocast, recorded into the graph like any other op.
+- sampler.compile: the query copy's layers are torch.compile'd (Policy.compile_layers) and
+  warmed up before capture, so a graph records the fused Triton kernels: at full size a
+  query is ~40 small kernels per layer and step, and their count, not FLOPs, sets latency.
 - Weights in the autocast dtype: autocast casts every fp32 matmul weight again on every
   call (its cast cache cannot live inside a graph), which at full size reads and writes
   more bytes than the bf16 matmuls themselves. So queries run a copy of the policy whose
@@ -97,17 +100,19 @@ def denoise_static(
 MATMUL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
 
 
-def matmul_weights_in(policy: Policy, dtype: torch.dtype) -> Policy:
+def matmul_weights_in(policy: Policy, dtype: torch.dtype, always_copy: bool = False) -> Policy:
     """A no-grad copy of `policy` whose Linear / Conv weights and biases are stored in `dtype`,
     LoRA folded in (each LoRALinear becomes its base Linear); other tensors are copied as
-    they are. Under autocast to `dtype` it computes what the policy computes under that
-    autocast, without casting every weight on every call. Returns the policy itself when
-    its matmul weights are stored in `dtype` already (the Fast-WAM backend in bf16)."""
+    they are, weights already in `dtype` are shared. Under autocast to `dtype` it computes
+    what the policy computes under that autocast, without casting every weight on every
+    call. Returns the policy itself when its matmul weights are stored in `dtype` already
+    (the Fast-WAM backend in bf16), unless always_copy (a copy to compile: see
+    Policy.compile_layers)."""
     layers = [m for m in policy.modules() if isinstance(m, MATMUL_MODULES)]
-    if all(m.weight.dtype == dtype for m in layers):
+    if all(m.weight.dtype == dtype for m in layers) and not always_copy:
         return policy
 
-    def low(t: Tensor) -> nn.Parameter:
+    def low(t: Tensor) -> nn.Parameter:  # shares storage where t is in dtype already
         return nn.Parameter(t.detach().to(dtype), requires_grad=False)
 
     memo: dict[int, object] = {}  # deepcopy's memo: what each original tensor becomes
@@ -118,7 +123,8 @@ def matmul_weights_in(policy: Policy, dtype: torch.dtype) -> Policy:
                 memo[id(m.base.weight)] = memo[id(w)] = low(w)
                 memo[id(m.lora_a)] = memo[id(m.lora_b)] = None  # folded in: not copied
         for m in layers:
-            memo.setdefault(id(m.weight), low(m.weight))
+            if id(m.weight) not in memo:  # a LoRA base weight is there already, folded
+                memo[id(m.weight)] = low(m.weight)
             if m.bias is not None:
                 memo[id(m.bias)] = low(m.bias)
     shadow = copy.deepcopy(policy, memo)
@@ -149,10 +155,13 @@ class GraphedSampler:
         max_batch: int,
         amp: torch.dtype | None = None,
         cast_once: bool = True,
+        compile: bool = False,
     ):
-        """cast_once False keeps autocast's per-call weight casts (benchmarks compare)."""
+        """cast_once False keeps autocast's per-call weight casts (benchmarks compare).
+        compile: queries run a copy whose layers are compiled (Policy.compile_layers) before
+        the graphs record them; the copy shares the fp32 weights or holds the amp ones."""
         self.policy, self.K, self.a, self.amp = policy, K, a, amp
-        self.cast_once = cast_once
+        self.cast_once, self.compile = cast_once, compile
         self.device = next(policy.parameters()).device
         self.sigmas = sigma_schedule(K, shift).to(self.device)
         self.buckets = [1]
@@ -161,7 +170,7 @@ class GraphedSampler:
         self.use_graphs = self.device.type == "cuda"
         self._graphs: dict[tuple, _Graph] = {}
         self._signature: tuple | None = None
-        self._model: Policy = policy  # what queries run: under amp, matmul_weights_in(policy)
+        self._model: Policy = policy  # what queries run: the policy or a copy (_sync_weights)
         self.captures = 0  # graphs captured so far (benchmarks and tests read it)
 
     def weights_signature(self) -> tuple:
@@ -211,8 +220,11 @@ class GraphedSampler:
         if signature != self._signature:
             self._graphs.clear()
             self._model = self.policy  # the old copy goes before the new one is made
-            if self.amp is not None and self.cast_once:
-                self._model = matmul_weights_in(self.policy, self.amp)
+            if (self.amp is not None and self.cast_once) or self.compile:
+                dtype = self.amp if self.amp is not None and self.cast_once else torch.float32
+                self._model = matmul_weights_in(self.policy, dtype, always_copy=self.compile)
+                if self.compile and not self._model.compile_layers():
+                    warnings.warn(f"{type(self.policy).__name__}: nothing to compile", stacklevel=2)
             self._signature = signature
 
     def _denoise(self, obs: Obs, *noise: Tensor) -> tuple[Tensor, Tensor]:

@@ -58,6 +58,7 @@ class SamplerSettings:
     cuda_graphs: bool = False  # replay each query as a CUDA graph (wamrl/graphed.py) on CUDA
     amp: torch.dtype | None = None  # sampler.amp: autocast dtype of the model (log pi stays fp32)
     max_batch: int | None = None  # sampler.max_batch: most queries answered in one batch
+    compile: bool = False  # sampler.compile: graphs record torch.compile'd layers
 
 
 @dataclass
@@ -234,9 +235,10 @@ def run_episodes(
             sampler.shift,
             min(len(pool), sampler.max_batch or len(pool)),
             amp=sampler.amp,
+            compile=sampler.compile,
         )
-    cap = math.inf if max_macro_steps is None else max_macro_steps * pool.replan
-    todo = sorted(enumerate(specs), key=lambda item: -min(item[1].task.max_steps, cap))
+    step_cap = math.inf if max_macro_steps is None else max_macro_steps * pool.replan
+    todo = sorted(enumerate(specs), key=lambda item: -min(item[1].task.max_steps, step_cap))
     running: dict[int, _Running] = {}
     env_task: dict[int, int] = {}  # the task whose env each slot's process holds
     replan = pool.replan

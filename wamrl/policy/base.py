@@ -102,6 +102,12 @@ class Policy(nn.Module, ABC):
     ) -> Tensor:
         """Video-expert features of a clean window, [B, N, D], for the world-model feature KL."""
 
+    def compile_layers(self) -> bool:
+        """torch.compile this model's per-layer work in place (fusing its many small
+        elementwise kernels), for a copy that only answers queries. False: nothing to
+        compile in this backend."""
+        return False
+
     @abstractmethod
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """{"actor": action expert + proprio encoder, "world_model": LoRA on the video expert}."""

@@ -431,6 +431,14 @@ class TinyWAM(Policy):
         _, _, feats = self.joint_forward(z, sf, None, None, context, context_mask, proprio)
         return feats
 
+    def compile_layers(self) -> bool:
+        # Per block, not the whole query: one compiled graph serves all layers of an expert
+        # (dynamic shapes: every batch size), so compiling takes seconds, not minutes.
+        for blk in [*self.video_blocks, *self.action_blocks]:
+            blk.qkv_heads = torch.compile(blk.qkv_heads, dynamic=True)
+            blk.finish = torch.compile(blk.finish, dynamic=True)
+        return True
+
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         actor = [p for n, p in self.named_parameters() if n.startswith(("action_", "proprio_enc"))]
         return {"actor": actor, "world_model": lora_parameters(self.video_blocks)}
