@@ -18,7 +18,7 @@ import torch
 from wamrl import paths
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.tasks import tasks_in_suites
-from wamrl.runtime import AMP_DTYPES, pick_device, set_gl_backend
+from wamrl.runtime import pick_device, set_gl_backend
 
 
 def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
@@ -101,15 +101,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             context.to(device),
             mask.to(device),
             normalizer,
-            SamplerSettings(
-                e["K"],
-                0.0,
-                s["shift"],
-                s["cuda_graphs"],
-                AMP_DTYPES[s["amp"]],
-                s["max_batch"],
-                s["compile"],
-            ),  # fmt: skip
+            SamplerSettings.from_config(s, K=e["K"], a=0.0),  # eval: pure ODE, its own K
             e["max_macro_steps"],
             seed=e["seed"],
             on_episode=on_episode,

@@ -17,7 +17,7 @@ import torch
 from wamrl import paths
 from wamrl.envs.tasks import tasks_in_suites
 from wamrl.plan import recent_success, rollout_plan, shard_specs
-from wamrl.runtime import AMP_DTYPES, pick_device, set_gl_backend
+from wamrl.runtime import pick_device, set_gl_backend
 
 
 def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
@@ -84,15 +84,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 context.to(device),
                 mask.to(device),
                 normalizer,
-                SamplerSettings(
-                    s["K"],
-                    s["noise_a"],
-                    s["shift"],
-                    s["cuda_graphs"],
-                    AMP_DTYPES[s["amp"]],
-                    s["max_batch"],
-                    s["compile"],
-                ),  # fmt: skip
+                SamplerSettings.from_config(s),
                 cfg["env"]["max_macro_steps"],
                 seed=int(
                     np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]

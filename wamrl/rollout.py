@@ -34,7 +34,7 @@ from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
 from wamrl.envs.tasks import Task
 from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import PROPRIO_DIM, Obs, Policy
-from wamrl.runtime import autocast
+from wamrl.runtime import AMP_DTYPES, autocast
 from wamrl.sampler import sample_chunk
 from wamrl.store import EpisodeData
 
@@ -59,6 +59,16 @@ class SamplerSettings:
     amp: torch.dtype | None = None  # sampler.amp: autocast dtype of the model (log pi stays fp32)
     max_batch: int | None = None  # sampler.max_batch: most queries answered in one batch
     compile: bool = False  # sampler.compile: graphs record torch.compile'd layers
+
+    @classmethod
+    def from_config(
+        cls, s: dict[str, Any], K: int | None = None, a: float | None = None
+    ) -> SamplerSettings:
+        """The config's `sampler` section; K and a override its K and noise_a."""
+        return cls(
+            s["K"] if K is None else K, s["noise_a"] if a is None else a, s["shift"],
+            s["cuda_graphs"], AMP_DTYPES[s["amp"]], s["max_batch"], s["compile"],
+        )  # fmt: skip
 
 
 @dataclass
