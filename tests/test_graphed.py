@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -175,11 +173,13 @@ def test_bf16_weight_copy_equals_autocast_to_the_bit_and_follows_weight_updates(
 
 
 @pytest.mark.compile
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="Inductor on CPU needs a C++ compiler")  # fmt: skip
 def test_compiled_layers_answer_like_the_eager_policy_and_share_its_weights() -> None:
     """sampler.compile: the query copy (weights shared, LoRA folded) with torch.compile'd
     layers gives the eager query's chain and log pi; the policy itself is left as it was."""
+    try:  # Inductor on CPU builds C++: a machine without a compiler or Python headers can't
+        torch.compile(lambda t: t + 1)(torch.ones(2))
+    except Exception as err:  # noqa: BLE001 - whatever the toolchain raised
+        pytest.skip(f"torch.compile does not work here: {err!r:.200}")
     policy, obs = _policy_and_obs(3)
     sampler = GraphedSampler(policy, K=4, a=0.5, shift=5.0, max_batch=4, compile=True)
     for batch in (3, 2):  # a second batch size: dynamic shapes, no recompile per size
