@@ -21,26 +21,30 @@ if [[ $# -ge 2 ]]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 cores=$(nproc)
-run() { echo; echo "== $*"; "$@"; }
+# ONLY="policy rollout eval learner" (a subset) splits the run over several shorter calls.
+ONLY=${ONLY:-policy rollout eval learner}
+want() { [[ " $ONLY " == *" $1 "* ]]; }
+run() { echo; echo "== $* ($(date +%T))"; "$@"; }
 
 # Query latency, eager vs CUDA graph (prefill + K = 8), fp32 and bf16.
 # --compile: a column with torch.compile'd layers (sampler.compile), compile time printed.
-run python3 bench/bench_policy.py --device cuda --batch 1 8 16 32 --compile
-run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 --config configs/fullsize.yaml --repeats 10 --compile
+want policy && run python3 bench/bench_policy.py --device cuda --batch 1 8 16 32 --compile
+want policy && run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 --config configs/fullsize.yaml --repeats 10 --compile
 # Rollout vs the env-only limit: one env per core, and 1.5 per core (an env waiting for its
 # query frees its core for another); the limit is the best env-only rate of the two.
 over=$((cores * 3 / 2))
-run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
-  --macro-steps 10 --skip-eager
-run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
+want rollout && run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" \
+  --episodes $((2 * cores)) --macro-steps 10 --skip-eager
+want rollout && run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
   --macro-steps 10 --config configs/fullsize.yaml --skip-eager --amp bf16 --compile
 # Eval of all 40 tasks: batched over one env per core, vs the stage on one env and vs the
 # loop of Fast-WAM's own eval script. CONTEXT_CACHE: task contexts encoded elsewhere, where
 # the box lacks the text encoder.
-run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy \
+want eval && run python3 bench/bench_eval.py --device cuda --envs "$cores" --policy data/base_policy \
   --max-macro-steps 10 --fastwam-style ${CONTEXT_CACHE:+--context-cache "$CONTEXT_CACHE"}
 # Learner: PPO macro-steps/s, fp32 and bf16, tiny and full-size (with MFU).
-run python3 bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
+want learner && run python3 bench/bench_learner.py --device cuda --steps 2048 --minibatch 256
 # Full size: one minibatch. With random 5 B weights, one Adam step moves log pi so far that
 # the next minibatch's ratio overflows (PPO's NonFiniteError guard stops it; seen on the H200).
-run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --epochs 1
+want learner && run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --epochs 1
+true  # a final skipped step is no failure
