@@ -213,6 +213,10 @@ def test_compile_model_cache_survives_a_damaged_file(tmp_path, monkeypatch):
     assert isinstance(mujoco.MjModel.from_binary_path(str(path)), mujoco.MjModel)  # rewritten
     assert not list(tmp_path.glob(".*.tmp"))
     assert len(list(tmp_path.glob("*.mjb"))) == 1
+    blocked = tmp_path / "a_file"  # a cache folder that cannot be made: warned, not fatal
+    blocked.write_text("")
+    with pytest.warns(UserWarning, match="could not write"):
+        assert compile_model(xml, blocked / "cache").nbody == fresh.nbody
 
 
 @pytest.mark.libero

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,15 @@ def compile_model(xml: str, cache_dir: Path | None) -> Any:
         except Exception:  # unreadable (another MuJoCo build, a damaged file): compile anew
             pass
     model = mujoco.MjModel.from_xml_string(xml)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    mujoco.mj_saveModel(model, str(tmp), None)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mujoco.mj_saveModel(model, str(tmp), None)  # ~250 MB: LIBERO's textures, decoded
+        os.replace(tmp, path)
+    except (OSError, ValueError) as err:  # a full disk or a read-only folder: just not cached
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        warnings.warn(f"env.model_cache: could not write {path}: {err}", stacklevel=2)
     return model
 
 
