@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=128, help="macro-steps in the update")
     p.add_argument("--minibatch", type=int, default=None, help="default actor.minibatch")
     p.add_argument("--epochs", type=int, default=None, help="default actor.epochs")
+    p.add_argument("--micro-batch", type=int, default=None, help="actor.micro_batch")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--amp", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -98,6 +99,8 @@ def main() -> None:
         over["actor.minibatch"] = args.minibatch
     if args.epochs is not None:
         over["actor.epochs"] = args.epochs
+    if args.micro_batch is not None:
+        over["actor.micro_batch"] = args.micro_batch
     cfg = load_config(args.config, over)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -123,8 +126,8 @@ def main() -> None:
 
     n_params = sum(q.numel() for q in policy.parameters()) / 1e6
     table = Table(title=f"PPO actor update, {device}, {n_params:.1f} M params")
-    cols = ("precision", "macro-steps", "minibatch", "epochs", "wall s", "macro-steps/s",
-            "TFLOP/s", "MFU", "max |log pi - fp32|")  # fmt: skip
+    cols = ("precision", "macro-steps", "minibatch", "micro-batch", "epochs", "wall s",
+            "macro-steps/s", "TFLOP/s", "MFU", "peak memory", "max |log pi - fp32|")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for amp in args.amp:
@@ -139,15 +142,19 @@ def main() -> None:
         actor_update(policy, None, data, {**cfg, "actor": {**acfg, "epochs": 1}}, opt, device)
         refresh_logp_old(policy, data, mb, device)  # the warm-up changed the weights
         sync()  # warm-up (allocator, kernels)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         metrics = actor_update(policy, None, data, {**cfg, "actor": acfg}, opt, device)
         sync()
         wall = time.perf_counter() - t0
         n_pass = len(data) * epochs  # updates; the log pi check adds a forward-only pass
         tf = flops_mb * n_pass / wall / 1e12  # the check's forward is not counted
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         table.add_row(
-            amp, str(len(data)), str(mb), str(epochs), f"{wall:.2f}", f"{n_pass / wall:.1f}",
-            f"{tf:.2f}", f"{tf / args.peak_tflops:.1%}", f"{float(dev):.2e}",
+            amp, str(len(data)), str(mb), str(acfg["micro_batch"] or mb), str(epochs),
+            f"{wall:.2f}", f"{n_pass / wall:.1f}", f"{tf:.2f}", f"{tf / args.peak_tflops:.1%}",
+            "-" if peak is None else f"{peak:.1f} GiB", f"{float(dev):.2e}",
         )  # fmt: skip
         print(f"{amp} logp check:", metrics["logp_check"])
     Console().print(table)

@@ -47,4 +47,6 @@ want learner && run python3 bench/bench_learner.py --device cuda --steps 2048 --
 # Full size: one minibatch. With random 5 B weights, one Adam step moves log pi so far that
 # the next minibatch's ratio overflows (PPO's NonFiniteError guard stops it; seen on the H200).
 want learner && run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --epochs 1
+# The same minibatch in parts of 16 (actor.micro_batch): peak memory against speed.
+want learner && run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --micro-batch 16 --epochs 1
 true  # a final skipped step is no failure

@@ -384,3 +384,28 @@ def test_diag_gauss_kl_matches_formula() -> None:
     ]
     assert float(wm.diag_gauss_kl(z, v, zr, vr)) == pytest.approx(sum(per_dim) / 2, rel=1e-6)
     assert float(wm.diag_gauss_kl(zr, vr, zr, vr)) == 0.0
+
+
+def test_micro_batches_give_the_same_update(run_after_reward) -> None:
+    """actor.micro_batch: a minibatch computed in parts (gradients accumulated) is the same
+    update and the same metrics as the whole minibatch at once. SGD, so that the update is
+    the gradient itself (Adam's first step is ~lr * sign(g): noise-level gradients flip)."""
+    run, cfg = run_after_reward
+    cfg = copy.deepcopy(cfg)
+    cfg["actor"].update(minibatch=8, epochs=1)
+    results = []
+    for micro in (None, 3):
+        cfg["actor"]["micro_batch"] = micro
+        policy, data = _data(run, cfg)
+        before = {n: v.clone() for n, v in policy.state_dict().items()}
+        opt = torch.optim.SGD(policy.parameter_groups()["actor"], lr=1e-2)
+        metrics = ppo.actor_update(policy, None, data, cfg, opt)
+        results.append((policy.state_dict(), metrics["epochs"][0]))
+    (whole, m_whole), (parts, m_parts) = results
+    assert len(data) > 8 and len(data) % 8 != 0  # several minibatches, the last one ragged
+    moved = max(float((v - before[n]).abs().max()) for n, v in whole.items())
+    assert moved > 1e-4, moved
+    for name, value in whole.items():
+        torch.testing.assert_close(parts[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "ratio_mean"):
+        assert m_parts[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-7), key

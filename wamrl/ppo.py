@@ -226,7 +226,8 @@ def actor_update(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> dict[str, Any]:
-    """2 (cfg actor.epochs) PPO epochs over all kept macro-steps in shuffled minibatches.
+    """2 (cfg actor.epochs) PPO epochs over all kept macro-steps in shuffled minibatches
+    (each computed in actor.micro_batch parts, gradients accumulated: the same update).
 
     Raises LogProbMismatchError before touching the weights if log pi_old is not
     reproduced, and NonFiniteError on any NaN/Inf in loss, gradients or parameters.
@@ -244,17 +245,20 @@ def actor_update(
         metrics["skipped"] = "no kept macro-steps (every group was degenerate or empty)"
         return metrics
     mb = int(acfg["minibatch"])
+    # actor.micro_batch: a minibatch's forward/backward in parts of this size (gradients
+    # accumulate; the same update) so that a minibatch need not fit the GPU at once.
+    micro = min(int(acfg.get("micro_batch") or mb), mb)
     amp = AMP_DTYPES[acfg.get("amp")]
     if acfg.get("logp_old", "rollout") == "recompute":
         # The ratio's denominator is the learner's own log pi on the unchanged weights, in
         # the update's precision, so it starts at 1 even when the rollout ran in bf16; the
         # rollout's value is only compared (the behaviour/learner gap, reported).
-        logp_old = learner_logp(policy, data, mb, device, amp)
+        logp_old = learner_logp(policy, data, micro, device, amp)
         metrics["logp_check"] = logp_gap(logp_old, data)
     else:
         # The check compares with the rollout's float32 log pi_old, so it runs in float32.
         tol = float(acfg["logp_check_tol"])
-        metrics["logp_check"] = check_logp(policy, data, tol, mb, device)
+        metrics["logp_check"] = check_logp(policy, data, tol, micro, device)
         logp_old = data.logp_old
 
     rng = np.random.default_rng(seed)
@@ -264,26 +268,34 @@ def actor_update(
         first_ratio = math.nan
         for start in range(0, len(data), mb):
             idx = np.sort(perm[start : start + mb])  # sorted: contiguous-ish reads from numpy
-            logp_new = _log_prob(policy, data, idx, device, amp)
-            logp_ref = None
-            if ref_policy is not None and float(acfg["ref_kl"]) != 0.0:
-                with torch.no_grad():
-                    logp_ref = _log_prob(ref_policy, data, idx, device, amp)
-            loss, stats = ppo_loss(
-                logp_new,
-                torch.from_numpy(np.asarray(logp_old[idx], np.float32)).to(device),
-                data.tensor("adv", idx, device).float(),
-                float(acfg["clip_low"]),
-                float(acfg["clip_high"]),
-                logp_ref=logp_ref,
-                ref_kl=float(acfg["ref_kl"]),
-            )
-            if not torch.isfinite(loss):
-                raise NonFiniteError(
-                    f"non-finite actor loss {float(loss.detach())} (epoch {epoch}, minibatch at {start})"
-                )
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            # The minibatch mean, as a weighted sum of its parts' means (loss and stats).
+            loss_sum, stats = 0.0, dict[str, float]()
+            for part in np.split(idx, range(micro, len(idx), micro)):
+                weight = len(part) / len(idx)
+                logp_new = _log_prob(policy, data, part, device, amp)
+                logp_ref = None
+                if ref_policy is not None and float(acfg["ref_kl"]) != 0.0:
+                    with torch.no_grad():
+                        logp_ref = _log_prob(ref_policy, data, part, device, amp)
+                loss, part_stats = ppo_loss(
+                    logp_new,
+                    torch.from_numpy(np.asarray(logp_old[part], np.float32)).to(device),
+                    data.tensor("adv", part, device).float(),
+                    float(acfg["clip_low"]),
+                    float(acfg["clip_high"]),
+                    logp_ref=logp_ref,
+                    ref_kl=float(acfg["ref_kl"]),
+                )
+                if not torch.isfinite(loss):
+                    raise NonFiniteError(
+                        f"non-finite actor loss {float(loss.detach())} "
+                        f"(epoch {epoch}, minibatch at {start})"
+                    )
+                (loss * weight).backward()
+                loss_sum += weight * float(loss.detach())
+                for k, v in part_stats.items():
+                    stats[k] = stats.get(k, 0.0) + weight * v
             if epoch == 0 and start == 0:
                 # Parameters used only inside the no_grad cache (e.g. an encoder that feeds
                 # prefill) get no gradient here; report how many so it is not silent.
@@ -299,7 +311,7 @@ def actor_update(
             )
             if start == 0:
                 first_ratio = stats["ratio_mean"]
-            rows.append({"loss": float(loss.detach()), "grad_norm": float(grad_norm), **stats})
+            rows.append({"loss": loss_sum, "grad_norm": float(grad_norm), **stats})
         epoch_metrics = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
         epoch_metrics.update(
             epoch=epoch,
