@@ -48,8 +48,9 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
     """The eval as Fast-WAM's own LIBERO script runs it, one env, one episode after another:
     a fresh LIBERO OffScreenRenderEnv per task (robosuite's defaults: hard reset, both cameras
     rendered on every env step), reset + set_init_state + 30 settle steps, then a batch-1
-    query every 10 env steps. Same policy, conventions and per-episode noise seeds as the
-    stage (saving its replay mp4s, which Fast-WAM's script also does, is left out).
+    query every 10 env steps. Same policy, query path (a CUDA graph where the stage uses
+    one), conventions and per-episode noise seeds as the stage; only the env loop differs.
+    (Saving its replay mp4s, which Fast-WAM's script also does, is left out.)
     Returns each episode's success."""
     from libero.libero.envs import OffScreenRenderEnv
 
@@ -63,6 +64,7 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
         raw_proprio,
     )
     from wamrl.envs.tasks import tasks_in_suites
+    from wamrl.graphed import GraphedSampler
     from wamrl.policy import load_policy
     from wamrl.policy.base import Obs
     from wamrl.policy.text import load_contexts
@@ -74,7 +76,10 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
     policy = load_policy(policy_dir, device=device).eval()
     context, mask = load_contexts(policy_dir / "context.safetensors")
     normalizer = Normalizer.load(policy_dir / "stats.json")
-    sampler = SamplerSettings(e["K"], 0.0, cfg["sampler"]["shift"])
+    sampler = SamplerSettings.from_config(cfg["sampler"], K=e["K"], a=0.0)
+    graphed = None
+    if sampler.cuda_graphs and device.type == "cuda":
+        graphed = GraphedSampler(policy, sampler.K, 0.0, sampler.shift, 1, amp=sampler.amp)
     tasks = [t for t in tasks_in_suites(e["suites"]) if e["tasks"] is None or t.index in e["tasks"]]
     successes = []
     for task in tasks:
@@ -99,7 +104,11 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
                     context[task.index : task.index + 1], mask[task.index : task.index + 1],
                 ).to(device)  # fmt: skip
                 x0 = torch.randn(1, 32, 7, generator=noise).to(device)
-                chunk = query_chunks(policy, batch, sampler, noise, x0=x0).chain[0, -1]
+                if graphed is not None:
+                    out = graphed.query(batch, noise, x0=x0)
+                else:
+                    out = query_chunks(policy, batch, sampler, noise, x0=x0)
+                chunk = out.chain[0, -1]
                 for action in env_actions(chunk.float().cpu().numpy(), normalizer, 10):
                     obs, _, done, _ = env.step(action)
                     t += 1
