@@ -127,3 +127,35 @@ def test_max_batch_caps_each_query_batch_and_serves_the_longest_waiting_first(
         assert batches == [[0, 1, 2, 3], [4, 5]] * 3
     else:  # the two left over are answered while the first four still step
         assert batches[:2] == [[0, 1, 2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("cap", [None, 3])
+def test_longest_step_budget_starts_first_unless_a_cap_makes_them_equal(cap) -> None:
+    """libero_10 episodes (700 steps) start before the 400-step ones, so they do not run alone
+    at the end; under a macro-step cap every budget is the same and the order is kept."""
+    import wamrl.rollout as rollout
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.tasks import load_tasks
+    from wamrl.policy.tiny import TinyConfig, TinyWAM
+
+    started: list[int] = []
+
+    class Recording(_ScriptedPool):
+        def start_episode(self, slot, task, *args):
+            started.append(task.index)
+            super().start_episode(slot, task, *args)
+
+    tasks = load_tasks()
+    a, b, long = tasks[0], tasks[10], tasks[30]  # spatial, object: 400 steps; libero_10: 700
+    assert long.max_steps > a.max_steps == b.max_steps
+    specs = [rollout.EpisodeSpec(t, 0, i) for i, t in enumerate([a, a, b, b, long, long])]
+    cfg = TinyConfig(video_dim=32, action_dim=32, layers=1, heads=2, head_dim=16, text_max_len=4)
+    rollout.run_episodes(
+        TinyWAM(cfg).eval(), Recording(2, chunks=2), specs, torch.zeros(40, 4, cfg.text_dim),
+        torch.ones(40, 4, dtype=torch.bool), Normalizer.load(ROOT / "data" / "stats.json"),
+        rollout.SamplerSettings(4, 0.5, 5.0), cap, 0, lambda i, d: None, torch.device("cpu"),
+    )  # fmt: skip
+    if cap is None:  # the long task first (one slot: tasks stay spread over the envs)
+        assert started[0] == 30 and 30 not in started[4:], started
+    else:  # equal budgets: the given order, the long task last
+        assert started[:2] == [0, 10] and started[4:] == [30, 30], started
