@@ -196,7 +196,9 @@ def main() -> None:
             wall = time.perf_counter() - t0
             report = json.loads(paths.eval_json(run, 0).read_text())
             n = sum(t["episodes"] for t in report["tasks"].values())
-            rows.append((name, envs, n, wall, report["first_query_s"], report["average"]))
+            first = report["first_query_s"]  # None: no query was answered
+            rows.append((name, envs, n, wall, float("nan") if first is None else first,
+                         report["average"]))  # fmt: skip
         if args.fastwam_style:  # its own loop, not the stage: no eval.json, no first query
             cfg = load_config(args.config, over)
             t0 = time.perf_counter()
