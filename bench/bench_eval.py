@@ -55,27 +55,22 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
     from libero.libero.envs import OffScreenRenderEnv
 
     from wamrl import paths
-    from wamrl.envs.conventions import (
+    from wamrl.envs import (
         DUMMY_ACTION,
-        Normalizer,
         env_actions,
         image_to_model_input,
         model_image,
         raw_proprio,
+        tasks_in_suites,
     )
-    from wamrl.envs.tasks import tasks_in_suites
     from wamrl.graphed import GraphedSampler
-    from wamrl.policy import load_policy
     from wamrl.policy.base import Obs
-    from wamrl.policy.text import load_contexts
-    from wamrl.rollout import SamplerSettings, query_chunks
+    from wamrl.rollout import SamplerSettings, load_for_queries, query_chunks
+    from wamrl.runtime import pick_device
 
-    e = cfg["eval"]
-    device = torch.device(cfg["device"] if cfg["device"] != "auto" else "cpu")
-    policy_dir = paths.policy_dir(run, 0)
-    policy = load_policy(policy_dir, device=device).eval()
-    context, mask = load_contexts(policy_dir / "context.safetensors")
-    normalizer = Normalizer.load(policy_dir / "stats.json")
+    e, replan = cfg["eval"], cfg["env"]["replan_steps"]
+    device = pick_device(cfg)
+    policy, context, mask, normalizer = load_for_queries(paths.policy_dir(run, 0), device)
     sampler = SamplerSettings.from_config(cfg["sampler"], K=e["K"], a=0.0)
     graphed = None
     if sampler.cuda_graphs and device.type == "cuda":
@@ -94,9 +89,11 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
             obs = env.set_init_state(init_states[k % len(init_states)])
             for _ in range(cfg["env"]["settle_steps"]):
                 obs, _, _, _ = env.step(DUMMY_ACTION)
-            budget = task.max_steps if max_macro_steps is None else max_macro_steps * 10
+            budget = task.max_steps
+            if max_macro_steps is not None:
+                budget = min(budget, max_macro_steps * replan)
             success, t = False, 0
-            while t < min(budget, task.max_steps) and not success:
+            while t < budget and not success:
                 image = model_image(obs["agentview_image"], obs["robot0_eye_in_hand_image"])
                 state = normalizer.normalize_state(raw_proprio(obs)).astype(np.float32)
                 batch = Obs(
@@ -109,7 +106,7 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
                 else:
                     out = query_chunks(policy, batch, sampler, noise, x0=x0)
                 chunk = out.chain[0, -1]
-                for action in env_actions(chunk.float().cpu().numpy(), normalizer, 10):
+                for action in env_actions(chunk.float().cpu().numpy(), normalizer, replan):
                     obs, _, done, _ = env.step(action)
                     t += 1
                     if done or t >= budget:
@@ -216,8 +213,8 @@ def main() -> None:
         table.add_column(col, justify="right")
     for name, envs, n, wall, first, avg in rows:
         table.add_row(
-            name, str(envs), str(n), f"{wall:.1f}", f"{first:.1f}" if first == first else "-", f"{n / wall * 60:.1f}",
-            f"{avg:.3f}", *(f"{slow / wall:.1f}x" for slow in base.values()),
+            name, str(envs), str(n), f"{wall:.1f}", f"{first:.1f}" if first == first else "-",
+            f"{n / wall * 60:.1f}", f"{avg:.3f}", *(f"{slow / wall:.1f}x" for slow in base.values()),
         )  # fmt: skip
     Console().print(table)
 

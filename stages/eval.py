@@ -50,11 +50,8 @@ def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     set_gl_backend(cfg)
     from stages.reward import checkpoint_sha256
-    from wamrl.envs.conventions import Normalizer
     from wamrl.envs.pool import EnvPool
-    from wamrl.policy import load_policy
-    from wamrl.policy.text import load_contexts
-    from wamrl.rollout import EpisodeSpec, SamplerSettings, run_episodes
+    from wamrl.rollout import EpisodeSpec, SamplerSettings, load_for_queries, run_episodes
 
     run_dir = Path(run_dir)
     policy_dir = paths.policy_dir(run_dir, iteration)
@@ -91,15 +88,13 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     start = time.time()
     # The pool first: its processes import LIBERO while this one loads the policy.
     with EnvPool(e["envs"], policy_dir / "stats.json", dict(cfg["env"]), seed=e["seed"]) as pool:
-        policy = load_policy(policy_dir, device=device).eval()
-        context, mask = load_contexts(policy_dir / "context.safetensors")
-        normalizer = Normalizer.load(policy_dir / "stats.json")
+        policy, context, mask, normalizer = load_for_queries(policy_dir, device)
         stats = run_episodes(
             policy,
             pool,
             specs,
-            context.to(device),
-            mask.to(device),
+            context,
+            mask,
             normalizer,
             SamplerSettings.from_config(s, K=e["K"], a=0.0),  # eval: pure ODE, its own K
             e["max_macro_steps"],

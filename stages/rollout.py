@@ -33,11 +33,8 @@ def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> None:
     set_gl_backend(cfg)
     from stages.reward import checkpoint_sha256
-    from wamrl.envs.conventions import Normalizer
     from wamrl.envs.pool import EnvPool
-    from wamrl.policy import load_policy
-    from wamrl.policy.text import load_contexts
-    from wamrl.rollout import SamplerSettings, run_episodes
+    from wamrl.rollout import SamplerSettings, load_for_queries, run_episodes
     from wamrl.store import ShardWriter
 
     if iteration < 1:
@@ -71,9 +68,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     with EnvPool(
         cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]
     ) as pool:
-        policy = load_policy(policy_dir, device=device).eval()
-        context, mask = load_contexts(policy_dir / "context.safetensors")
-        normalizer = Normalizer.load(policy_dir / "stats.json")
+        policy, context, mask, normalizer = load_for_queries(policy_dir, device)
         with ShardWriter(
             paths.shard_path(run_dir, iteration, worker), len(specs), T, s["K"], Tv, attrs
         ) as writer:
@@ -81,8 +76,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 policy,
                 pool,
                 specs,
-                context.to(device),
-                mask.to(device),
+                context,
+                mask,
                 normalizer,
                 SamplerSettings.from_config(s),
                 cfg["env"]["max_macro_steps"],

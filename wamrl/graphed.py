@@ -100,20 +100,21 @@ def denoise_static(
 MATMUL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
 
 
-def matmul_weights_in(policy: Policy, dtype: torch.dtype, always_copy: bool = False) -> Policy:
-    """A no-grad copy of `policy` whose Linear / Conv weights and biases are stored in `dtype`,
-    LoRA folded in (each LoRALinear becomes its base Linear); other tensors are copied as
-    they are, weights already in `dtype` are shared. Under autocast to `dtype` it computes
-    what the policy computes under that autocast, without casting every weight on every
-    call. Returns the policy itself when its matmul weights are stored in `dtype` already
-    (the Fast-WAM backend in bf16), unless always_copy (a copy to compile: see
-    Policy.compile_layers)."""
+def matmul_weights_in(
+    policy: Policy, dtype: torch.dtype | None, always_copy: bool = False
+) -> Policy:
+    """A no-grad copy of `policy` whose Linear / Conv weights and biases are stored in `dtype`
+    (None: as they are), LoRA folded in (each LoRALinear becomes its base Linear); other
+    tensors are copied, weights already in `dtype` are shared. Under autocast to `dtype` it
+    computes what the policy computes under that autocast, without casting every weight on
+    every call. Returns the policy itself when there is nothing to cast (the Fast-WAM
+    backend in bf16), unless always_copy (a copy to compile: see Policy.compile_layers)."""
     layers = [m for m in policy.modules() if isinstance(m, MATMUL_MODULES)]
-    if all(m.weight.dtype == dtype for m in layers) and not always_copy:
+    if not always_copy and all(dtype in (None, m.weight.dtype) for m in layers):
         return policy
 
     def low(t: Tensor) -> nn.Parameter:  # shares storage where t is in dtype already
-        return nn.Parameter(t.detach().to(dtype), requires_grad=False)
+        return nn.Parameter(t.detach().to(dtype or t.dtype), requires_grad=False)
 
     memo: dict[int, object] = {}  # deepcopy's memo: what each original tensor becomes
     with torch.no_grad():
@@ -220,9 +221,9 @@ class GraphedSampler:
         if signature != self._signature:
             self._graphs.clear()
             self._model = self.policy  # the old copy goes before the new one is made
-            if (self.amp is not None and self.cast_once) or self.compile:
-                dtype = self.amp if self.amp is not None and self.cast_once else torch.float32
-                self._model = matmul_weights_in(self.policy, dtype, always_copy=self.compile)
+            store = self.amp if self.cast_once else None  # weights kept in the autocast dtype
+            if store is not None or self.compile:
+                self._model = matmul_weights_in(self.policy, store, always_copy=self.compile)
                 if self.compile and not self._model.compile_layers():
                     warnings.warn(f"{type(self.policy).__name__}: nothing to compile", stacklevel=2)
             self._signature = signature

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,6 +164,19 @@ def progress_bar(interval: float = 60.0, console: Console | None = None) -> Prog
     )
 
 
+def load_for_queries(
+    policy_dir: Path, device: torch.device
+) -> tuple[Policy, torch.Tensor, torch.Tensor, Normalizer]:
+    """What a stage that queries the policy reads from a policy dir: the model (eval mode),
+    every task's text context and mask (on `device`), and the normaliser."""
+    from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
+
+    policy = load_policy(policy_dir, device=device).eval()
+    context, mask = load_contexts(policy_dir / "context.safetensors")
+    return policy, context.to(device), mask.to(device), Normalizer.load(policy_dir / "stats.json")
+
+
 @torch.no_grad()
 def query_chunks(
     policy: Policy,
@@ -247,11 +261,11 @@ def run_episodes(
             amp=sampler.amp,
             compile=sampler.compile,
         )
-    step_cap = math.inf if max_macro_steps is None else max_macro_steps * pool.replan
+    replan = pool.replan
+    step_cap = math.inf if max_macro_steps is None else max_macro_steps * replan
     todo = sorted(enumerate(specs), key=lambda item: -min(item[1].task.max_steps, step_cap))
     running: dict[int, _Running] = {}
     env_task: dict[int, int] = {}  # the task whose env each slot's process holds
-    replan = pool.replan
     stats: dict[str, float] = {
         "queries": 0, "batches": 0, "env_steps": 0, "crashed": 0, "answer_s": 0.0
     }  # fmt: skip
