@@ -32,6 +32,7 @@ from wamrl.config import load_config
 from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs
 from wamrl.policy.tiny import TinyWAM, build_tiny
+from wamrl.runtime import wait_sleeping
 from wamrl.sampler import sample_chunk
 
 DIMS = ("video_dim", "action_dim", "layers", "heads", "head_dim", "latent_channels", "ffn_mult")
@@ -50,6 +51,19 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: 
         if i >= warmup:
             out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def cpu_per_query(fn: Callable[[], object], device: torch.device, sleep: bool, n: int) -> float:
+    """CPU milliseconds this process spends per call of fn, waiting for the GPU either by
+    synchronising (CUDA spins the core) or by wait_sleeping (the rollout's way)."""
+    wait = (lambda: wait_sleeping(device)) if sleep else (lambda: torch.cuda.synchronize(device))
+    fn()
+    wait()
+    t0 = time.process_time()
+    for _ in range(n):
+        fn()
+        wait()
+    return (time.process_time() - t0) / n * 1e3
 
 
 def p90(xs: list[float]) -> float:
@@ -184,6 +198,15 @@ def main() -> None:
                         lambda obs=obs, gen=gen: compiled_bf16.query(obs, gen), device, 2,
                         args.repeats,
                     )  # fmt: skip
+                spin, sleep = (
+                    cpu_per_query(lambda obs=obs, gen=gen: graphed_bf16.query(obs, gen),
+                                  device, sleeping, args.repeats)
+                    for sleeping in (False, True)
+                )  # fmt: skip
+                console.print(
+                    f"batch {b}: policy-process CPU per bf16 graph query: {spin:.1f} ms when "
+                    f"synchronising (spins), {sleep:.1f} ms with wait_sleeping (the rollout's)"
+                )
                 ref = sample_chunk(
                     model, model.prefill(obs), b, K, a, shift, torch.Generator().manual_seed(5)
                 )

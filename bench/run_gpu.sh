@@ -29,13 +29,13 @@ run() { echo; echo "== $* ($(date +%T))"; "$@"; }
 # Query latency, eager vs CUDA graph (prefill + K = 8), fp32 and bf16.
 # --compile: a column with torch.compile'd layers (sampler.compile), compile time printed.
 want policy && run python3 bench/bench_policy.py --device cuda --batch 1 8 16 32 --compile
-want policy && run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 --config configs/fullsize.yaml --repeats 10 --compile
+want policy && run python3 bench/bench_policy.py --device cuda --batch 1 4 8 16 32 --config configs/fullsize.yaml --repeats 10 --compile
 # Rollout vs the env-only limit: one env per core, and 1.5 per core (an env waiting for its
 # query frees its core for another); the limit is the best env-only rate of the two.
 over=$((cores * 3 / 2))
 want rollout && run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" \
-  --episodes $((2 * cores)) --macro-steps 10 --skip-eager
-want rollout && run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((2 * cores)) \
+  --episodes $((3 * cores)) --macro-steps 10 --skip-eager
+want rollout && run python3 bench/bench_rollout.py --device cuda --envs "$cores" "$over" --episodes $((3 * cores)) \
   --macro-steps 10 --config configs/fullsize.yaml --skip-eager --amp bf16 --compile
 # Eval of all 40 tasks: batched over one env per core, vs the stage on one env and vs the
 # loop of Fast-WAM's own eval script. CONTEXT_CACHE: task contexts encoded elsewhere, where

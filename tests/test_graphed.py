@@ -198,3 +198,15 @@ def test_compiled_layers_answer_like_the_eager_policy_and_share_its_weights() ->
         copy.action_blocks[0].qkv.weight.data_ptr() == policy.action_blocks[0].qkv.weight.data_ptr()
     )
     assert "finish" in vars(copy.action_blocks[0]) and "finish" not in vars(policy.action_blocks[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_wait_sleeping_returns_only_when_the_queued_work_is_done() -> None:
+    from wamrl.runtime import wait_sleeping
+
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(50):  # tens of milliseconds of queued GPU work
+        x = torch.tanh(x @ x)
+    assert not torch.cuda.current_stream().query()
+    wait_sleeping(x.device)
+    assert torch.cuda.current_stream().query()

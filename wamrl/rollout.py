@@ -35,7 +35,7 @@ from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
 from wamrl.envs.tasks import Task
 from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import PROPRIO_DIM, Obs, Policy
-from wamrl.runtime import AMP_DTYPES, autocast
+from wamrl.runtime import AMP_DTYPES, autocast, wait_sleeping
 from wamrl.sampler import sample_chunk
 from wamrl.store import EpisodeData
 
@@ -399,6 +399,7 @@ def _answer(
         out = graphed.query(obs, generator, x0=x0)
     else:
         out = query_chunks(policy, obs, sampler, generator, x0=x0)
+    wait_sleeping(device)  # the copies below would spin a core that an env needs
     chain = out.chain.float().cpu().numpy()
     k_star = out.k_star.cpu().numpy()
     logp = out.logp.float().cpu().numpy()

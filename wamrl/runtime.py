@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -22,6 +23,22 @@ def autocast(device: torch.device | str, amp: torch.dtype | None) -> AbstractCon
         enabled=amp is not None,
         cache_enabled=False,
     )
+
+
+def wait_sleeping(device: torch.device | str, poll_s: float = 2e-4) -> None:
+    """Wait until the work queued on `device`'s current stream is done, sleeping between
+    checks. A plain CUDA synchronisation (`.cpu()`, `.item()`) spins a CPU core at full load
+    until the GPU finishes; the policy process waits like that for most of a full-size
+    rollout, on a core an env worker needs (and at a higher priority than the niced workers).
+    Polling every 0.2 ms adds at most that to a query and uses almost no CPU. A no-op off CUDA.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    while not done.query():
+        time.sleep(poll_s)
 
 
 def pick_device(cfg: dict[str, Any]) -> torch.device:
