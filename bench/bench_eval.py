@@ -7,11 +7,12 @@
 again, episode after episode. --fastwam-style adds the loop of Fast-WAM's own LIBERO eval
 script (fastwam_style_loop: LIBERO's env with robosuite's defaults, a hard reset per episode
 and both cameras rendered on every step), the baseline of issue #7. "batched" is the
-same stage with --envs env processes whose queries are answered together: in lockstep (the
-default, eval.lockstep: every batch waits for all running envs, so reruns are bitwise equal)
-and async (eval.lockstep false: whoever waits is answered at once, so an env being built
-stalls no other). All run the same episodes (same tasks, init states and noise seeds);
-success can differ only through float effects of batch composition. Several --envs counts
+same stage with --envs env processes whose queries are answered together: async (the
+default, eval.lockstep false: whoever waits is answered at once, so an env being built
+stalls no other) and in lockstep (every batch waits for all running envs). All run the
+same episodes (same tasks, init states and noise seeds), and both batched rows pad every
+batch to --envs rows, so they score the same bits; the sequential rows (batch 1) can
+differ through float effects of the batch size. Several --envs counts
 each get both batched rows: more env processes than cores can hide the env builds and
 the queries (an env waiting for either frees its core), at the price of more processes
 sharing the cores. "first query" is the part of the wall time before the first batch was
@@ -183,7 +184,7 @@ def main() -> None:
             fill_model_cache(load_config(args.config, over), max(args.envs))
         rows = []
         modes = [(name, n, lock) for n in args.envs
-                 for name, lock in (("batched", True), ("batched, async", False))]  # fmt: skip
+                 for name, lock in (("batched, lockstep", True), ("batched, async", False))]  # fmt: skip
         if not args.skip_sequential:
             modes.append(("sequential", 1, True))
         for name, envs, lockstep in modes:

@@ -1,8 +1,9 @@
 """Eval stage: deterministic (a = 0, K = 20) success on the LIBERO tasks -> eval.json.
 
 Each task runs `episodes_per_task` episodes from its fixed init states 0, 1, ...; the
-initial noise of every query comes from a per-episode seed, so a rerun reproduces the
-result exactly. Optional mp4s of the first `eval.videos` episodes go to iter_n/eval_videos/.
+initial noise of every query comes from a per-episode seed and every query batch is padded
+to one size (run_episodes' fixed_batch), so a rerun reproduces the result exactly, whichever
+envs happened to wait together. Optional mp4s of the first `eval.videos` episodes go to iter_n/eval_videos/.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             description=f"eval iter {iteration}",
             lockstep=e["lockstep"],
             record_frames=False,  # eval scores success only: one render per chunk
+            fixed_batch=True,  # a row's result independent of its batch: bitwise reruns
         )
     report = {
         "iteration": iteration,

@@ -54,6 +54,7 @@ def test_buckets_and_weight_signature() -> None:
     sampler = GraphedSampler(policy, K=4, a=0.5, shift=5.0, max_batch=12)
     assert sampler.buckets == [1, 2, 4, 8, 12]
     assert [sampler.bucket(n) for n in (1, 3, 8, 9, 12)] == [1, 4, 8, 12, 12]
+    assert GraphedSampler(policy, 4, 0.5, 5.0, max_batch=12, fixed_batch=True).buckets == [12]
     with pytest.raises(ValueError, match="exceeds max_batch 12"):
         sampler.bucket(13)
     before = sampler.weights_signature()
@@ -210,3 +211,53 @@ def test_wait_sleeping_returns_only_when_the_queued_work_is_done() -> None:
     assert not torch.cuda.current_stream().query()
     wait_sleeping(x.device)
     assert torch.cuda.current_stream().query()
+
+
+def _rows_alone_in_fixed_batches(device: str, query) -> None:
+    """Eval pads every batch to one size (run_episodes fixed_batch): a row's chain must then
+    not depend on the other rows or on its position, bitwise. On the CPU that holds with one
+    torch thread, the stages' setting (with two, a row's thread share changes its kernel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_rows_alone(device, query)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_rows_alone(device: str, query) -> None:
+    policy, obs = _policy_and_obs(6)
+    policy, obs = policy.to(device), obs.to(device)
+    x0 = torch.randn(6, 32, 7, generator=torch.Generator().manual_seed(2)).to(device)
+
+    def run(rows: list[int]) -> torch.Tensor:
+        idx = torch.tensor(rows, device=device)
+        o = Obs(obs.image[idx], obs.proprio[idx], obs.context[idx], obs.context_mask[idx])
+        return query(policy, o, x0[idx])
+
+    ref = run([0, 1, 2, 3, 4, 5])
+    for rows in ([5, 3, 1, 0, 2, 4], [2, 2, 2, 2, 2, 2], [4, 0, 0, 0, 0, 0]):
+        out = run(rows)
+        for j, r in enumerate(rows):
+            assert torch.equal(out[j], ref[r]), (rows, j)
+
+
+def test_a_row_of_a_fixed_size_batch_does_not_depend_on_the_others() -> None:
+    def query(policy, obs, x0):
+        with torch.no_grad():
+            return sample_chunk(policy, policy.prefill(obs), 6, 20, 0.0, 5.0, None, x0=x0).chain
+
+    _rows_alone_in_fixed_batches("cpu", query)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_a_row_of_a_fixed_size_cuda_graph_does_not_depend_on_the_others(amp) -> None:
+    graphed = {}
+
+    def query(policy, obs, x0):
+        if not graphed:
+            graphed["g"] = GraphedSampler(policy, 20, 0.0, 5.0, 6, amp=amp, fixed_batch=True)
+        return graphed["g"].query(obs, None, x0=x0).chain
+
+    _rows_alone_in_fixed_batches("cuda", query)

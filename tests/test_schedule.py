@@ -105,9 +105,9 @@ def test_max_batch_caps_each_query_batch_and_serves_the_longest_waiting_first(
     monkeypatch.setattr(
         rollout,
         "_answer",
-        lambda p, pool, run, slots, *a: (
+        lambda p, pool, run, slots, *a, **kw: (
             batches.append(list(slots)),
-            real(p, pool, run, slots, *a),
+            real(p, pool, run, slots, *a, **kw),
         ),
     )
     cfg = TinyConfig(video_dim=32, action_dim=32, layers=1, heads=2, head_dim=16, text_max_len=4)

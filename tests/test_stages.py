@@ -159,7 +159,10 @@ def test_eval_two_tasks_writes_contract_json(rollout_run):
     assert len(videos) == 1 and videos[0].stat().st_size > 1000
 
 
-def _run(policy, pool, specs, cfg, sampler, on_episode, max_macro_steps=2, lockstep=False):
+def _run(
+    policy, pool, specs, cfg, sampler, on_episode, max_macro_steps=2, lockstep=False,
+    fixed_batch=False,
+):  # fmt: skip
     from wamrl.envs.conventions import Normalizer
     from wamrl.policy.text import load_contexts
     from wamrl.rollout import run_episodes
@@ -169,13 +172,14 @@ def _run(policy, pool, specs, cfg, sampler, on_episode, max_macro_steps=2, locks
     return run_episodes(
         policy, pool, specs, ctx, mask, Normalizer.load(pdir / "stats.json"), sampler,
         max_macro_steps, seed=0, on_episode=on_episode, device=torch.device("cpu"),
-        lockstep=lockstep,
+        lockstep=lockstep, fixed_batch=fixed_batch,
     )  # fmt: skip
 
 
 def test_eval_noise_is_reproducible_and_killed_env_truncates(rollout_run):
-    """Per-episode noise seeds and lockstep batches give bitwise identical chains run to run; a
-    killed env process ends its episode as failed and truncated while the run goes on."""
+    """Per-episode noise seeds and batches padded to a fixed size (eval) give bitwise identical
+    chains run to run, in lockstep or async (other batches); a killed env process ends its
+    episode as failed and truncated while the run goes on."""
     from wamrl.envs.pool import EnvPool
     from wamrl.envs.tasks import load_tasks
     from wamrl.policy import load_policy
@@ -189,10 +193,12 @@ def test_eval_noise_is_reproducible_and_killed_env_truncates(rollout_run):
     specs = [EpisodeSpec(task, i, i, noise_seed=100 + i) for i in range(2)]
     ode = SamplerSettings(4, 0.0, 5.0)
     results = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the eval stage: row results then do not depend on the batch
     with EnvPool(2, pdir / "stats.json", dict(cfg["env"])) as pool:
-        for _ in range(2):
+        for lockstep in (True, False):
             got = {}
-            _run(policy, pool, specs, cfg, ode, got.__setitem__, 2, lockstep=True)
+            _run(policy, pool, specs, cfg, ode, got.__setitem__, 2, lockstep, fixed_batch=True)
             results.append(got)
 
         # crash: kill episode 0's env process when its second chunk is about to be sent
@@ -211,6 +217,7 @@ def test_eval_noise_is_reproducible_and_killed_env_truncates(rollout_run):
         stats = _run(
             policy, pool, crash_specs, cfg, SamplerSettings(4, 0.5, 5.0), eps.__setitem__, 2
         )
+    torch.set_num_threads(threads)
     for i in range(2):
         np.testing.assert_array_equal(results[0][i].chain, results[1][i].chain)
     assert not np.array_equal(results[0][0].chain, results[0][1].chain)

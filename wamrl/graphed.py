@@ -157,15 +157,18 @@ class GraphedSampler:
         amp: torch.dtype | None = None,
         cast_once: bool = True,
         compile: bool = False,
+        fixed_batch: bool = False,
     ):
         """cast_once False keeps autocast's per-call weight casts (benchmarks compare).
         compile: queries run a copy whose layers are compiled (Policy.compile_layers) before
-        the graphs record them; the copy shares the fp32 weights or holds the amp ones."""
+        the graphs record them; the copy shares the fp32 weights or holds the amp ones.
+        fixed_batch: one graph, of max_batch rows, for every query (eval pads every batch to
+        that size, so that a row's result does not depend on the batch it came in)."""
         self.policy, self.K, self.a, self.amp = policy, K, a, amp
         self.cast_once, self.compile = cast_once, compile
         self.device = next(policy.parameters()).device
         self.sigmas = sigma_schedule(K, shift).to(self.device)
-        self.buckets = [1]
+        self.buckets = [max_batch] if fixed_batch else [1]
         while self.buckets[-1] < max_batch:
             self.buckets.append(min(2 * self.buckets[-1], max_batch))
         self.use_graphs = self.device.type == "cuda"

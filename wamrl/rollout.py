@@ -221,18 +221,26 @@ def run_episodes(
     lockstep: bool = False,
     record_frames: bool = True,
     graphed: GraphedSampler | None = None,
+    fixed_batch: bool = False,
 ) -> dict[str, float]:
     """Run every spec to completion on the pool; `on_episode(i, data)` gets each finished one.
 
-    lockstep (eval): answer only when every running episode waits, so each batch holds the
-    same episodes on every rerun and results are bitwise reproducible; otherwise whoever
-    waits is answered at once (batch composition then follows process timing).
+    lockstep: answer only when every running episode waits, so each batch holds the same
+    episodes on every rerun; otherwise whoever waits is answered at once (batch composition
+    then follows process timing, which fixed_batch makes harmless).
 
     sampler.max_batch caps one query batch. Lockstep answers all waiting in batches of that
     size, in slot order; otherwise the longest-waiting are answered first and the rest in
     the next batch, so envs fall into groups that step while another group is queried.
 
     record_frames False (eval) skips rendering the +4/+8 frames that only the reward uses.
+
+    fixed_batch (eval): every query batch is padded to the largest batch (the pool size or
+    sampler.max_batch), repeating its first row. A row's result then depends only on its
+    own inputs, not on which envs happened to wait with it (matmul kernels differ with the
+    batch size, not with the other rows; on the CPU given one torch thread, as the stages
+    set), so with per-episode noise seeds a rerun gives the same bits whatever the timing,
+    async or lockstep (tests/test_stages.py, tests/test_graphed.py).
 
     A crashed env process ends its episode as failed and truncated (env_crashed); the pool
     restarts the process for the next episode and the run goes on.
@@ -251,15 +259,17 @@ def run_episodes(
     t_start = time.perf_counter()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     capture = graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda"
+    largest = min(len(pool), sampler.max_batch or len(pool))
     if capture:
         graphed = GraphedSampler(
             policy,
             sampler.K,
             sampler.a,
             sampler.shift,
-            min(len(pool), sampler.max_batch or len(pool)),
+            largest,
             amp=sampler.amp,
             compile=sampler.compile,
+            fixed_batch=fixed_batch,
         )
     replan = pool.replan
     step_cap = math.inf if max_macro_steps is None else max_macro_steps * replan
@@ -359,6 +369,7 @@ def run_episodes(
                         device,
                         replan,
                         graphed,
+                        pad_to=largest if fixed_batch else None,
                     )
                     stats["answer_s"] += time.perf_counter() - t0
                     stats["queries"] += len(part)
@@ -380,6 +391,7 @@ def _answer(
     device: torch.device,
     replan: int,
     graphed: GraphedSampler | None = None,
+    pad_to: int | None = None,
 ) -> None:
     eps = [running[s] for s in slots]
     images = np.stack([ep.pending[0] for ep in eps])
@@ -395,6 +407,10 @@ def _answer(
     x0 = None
     if all(ep.generator is not None for ep in eps):  # eval: per-episode reproducible noise
         x0 = torch.stack([torch.randn(32, 7, generator=ep.generator) for ep in eps]).to(device)
+    if pad_to is not None and pad_to > len(eps):  # fixed_batch: the padding repeats row 0
+        rows = torch.tensor([*range(len(eps)), *[0] * (pad_to - len(eps))], device=device)
+        obs = Obs(obs.image[rows], obs.proprio[rows], obs.context[rows], obs.context_mask[rows])
+        x0 = None if x0 is None else x0[rows]
     if graphed is not None:
         out = graphed.query(obs, generator, x0=x0)
     else:
