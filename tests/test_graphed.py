@@ -261,3 +261,16 @@ def test_a_row_of_a_fixed_size_cuda_graph_does_not_depend_on_the_others(amp) -> 
         return graphed["g"].query(obs, None, x0=x0).chain
 
     _rows_alone_in_fixed_batches("cuda", query)
+
+
+def test_a_compiled_query_that_cannot_run_says_which_setting_to_change(monkeypatch) -> None:
+    policy, obs = _policy_and_obs(2)
+    sampler = GraphedSampler(policy, K=4, a=0.5, shift=5.0, max_batch=2, compile=True)
+    sampler.use_graphs = True  # as on CUDA; capture fails the way Inductor does without cc
+
+    def capture_fails(*_):
+        raise RuntimeError("InductorError: no working C compiler found")
+
+    monkeypatch.setattr(sampler, "_graph_for", capture_fails)
+    with pytest.raises(RuntimeError, match="set sampler.compile: false"):
+        sampler.query(obs, torch.Generator().manual_seed(0))

@@ -199,6 +199,11 @@ class GraphedSampler:
             try:
                 g = self._graph_for(size, inputs)
             except RuntimeError as err:  # an op that cannot be captured: stay correct, go eager
+                if self.compile:  # e.g. Inductor without a C compiler: the eager path fails too
+                    raise RuntimeError(
+                        f"sampler.compile: the compiled query could not run ({err}); "
+                        "set sampler.compile: false to run it uncompiled"
+                    ) from err
                 warnings.warn(
                     f"CUDA graph capture failed ({err}); queries run eagerly", stacklevel=2
                 )
