@@ -183,8 +183,8 @@ def main() -> None:
         if args.model_cache == "warm":
             fill_model_cache(load_config(args.config, over), max(args.envs))
         rows = []
-        modes = [(name, n, lock) for n in args.envs
-                 for name, lock in (("batched, lockstep", True), ("batched, async", False))]  # fmt: skip
+        batched = (("batched, lockstep", True), ("batched, async", False))
+        modes = [(name, n, lock) for n in args.envs for name, lock in batched]
         if not args.skip_sequential:
             modes.append(("sequential", 1, True))
         for name, envs, lockstep in modes:

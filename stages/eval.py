@@ -3,7 +3,8 @@
 Each task runs `episodes_per_task` episodes from its fixed init states 0, 1, ...; the
 initial noise of every query comes from a per-episode seed and every query batch is padded
 to one size (run_episodes' fixed_batch), so a rerun reproduces the result exactly, whichever
-envs happened to wait together. Optional mp4s of the first `eval.videos` episodes go to iter_n/eval_videos/.
+envs happened to wait together. Optional mp4s of the first `eval.videos` episodes go to
+iter_n/eval_videos/.
 """
 
 from __future__ import annotations
