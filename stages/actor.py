@@ -4,7 +4,11 @@ Inputs: the shards with reward/, iter_n/reward.done, iter_{n-1}/policy (and
 iter_{n-1}/actor/optimizer.* if present, so Adam's moments carry across iterations;
 iter_000/policy as the reference actor when actor.ref_kl > 0). Outputs, atomically:
 actor.safetensors (the actor group's tensors, names as in policy.state_dict()),
-optimizer.safetensors + optimizer.json, metrics.json (with the resolved config).
+optimizer.safetensors + optimizer.json, metrics.json (with the resolved config), and
+master.safetensors (float32 master weights of the actor tensors stored in a lower precision,
+e.g. bf16 on `fastwam`; absent when all are float32). The next iteration restores a master
+when it rounds to exactly the merged checkpoint's weight, so updates smaller than a bf16
+ulp keep accumulating across iterations instead of being cut off at each merge.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from wamrl import paths
 from wamrl.atomic import atomic_dir, write_json
+from wamrl.master import MasterWeightOptimizer
 from wamrl.ppo import (
     actor_update,
     load_actor_data,
@@ -58,22 +63,33 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     ids = {id(p) for p in params}
     for p in policy.parameters():  # the video expert is frozen in this stage
         p.requires_grad_(id(p) in ids)
-    opt = torch.optim.Adam(params, lr=float(acfg["lr"]))
-    restored = 0
-    prev_opt = paths.actor_dir(run_dir, iteration - 1) / "optimizer.safetensors"
-    if prev_opt.exists():
-        restored = optimizer_from_tensors(opt, names, load_file(prev_opt))
+    lr = float(acfg["lr"])
+    # Float32 masters for non-float32 (bf16) parameters; a no-op wrapper on float32 ones.
+    opt = MasterWeightOptimizer(params, lambda ps: torch.optim.Adam(ps, lr=lr))
+    restored = masters_restored = 0
+    prev_actor = paths.actor_dir(run_dir, iteration - 1)
+    if (prev_actor / "optimizer.safetensors").exists():
+        restored = optimizer_from_tensors(
+            opt.inner, names, load_file(prev_actor / "optimizer.safetensors")
+        )
+    if opt.num_masters and (prev_actor / "master.safetensors").exists():
+        masters_restored = opt.load_masters(names, load_file(prev_actor / "master.safetensors"))
 
     metrics = actor_update(
         policy, ref, data, cfg, opt, device=device, seed=int(cfg["seed"]) * 1000 + iteration
     )
     metrics["optimizer_state_restored_params"] = restored
+    metrics["master_weights_params"] = opt.num_masters
+    metrics["master_weights_restored_params"] = masters_restored
 
     state = policy.state_dict()
     actor_tensors = {n: state[n].detach().cpu().contiguous() for n in names}
-    opt_tensors, opt_meta = optimizer_to_tensors(opt, names)
+    opt_tensors, opt_meta = optimizer_to_tensors(opt.inner, names)  # keyed as before: "Adam"
+    masters = opt.master_tensors(names)
     with atomic_dir(paths.actor_dir(run_dir, iteration)) as tmp:
         save_file(actor_tensors, str(tmp / "actor.safetensors"))
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", opt_meta)
+        if masters:
+            save_file(masters, str(tmp / "master.safetensors"))
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})

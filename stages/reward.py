@@ -15,7 +15,7 @@ import torch
 
 from wamrl import paths
 from wamrl.atomic import sha256_file, write_json
-from wamrl.reward import run_reward
+from wamrl.reward import check_success_dominates, run_reward
 
 
 def _device(cfg: dict[str, Any]) -> str:
@@ -52,6 +52,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     device = _device(cfg)
     kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
     shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    # A reward that lets reconstruction outweigh success stops here: no model load, no write.
+    check_success_dominates(shards, cfg["reward"])
     policy = load_policy(wm_dir, device=device)
     context, mask = load_contexts(wm_dir / "context.safetensors")
     world_model = {"kind": kind, "path": str(wm_dir), "sha256": checkpoint_sha256(wm_dir)}

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from wamrl import paths
 from wamrl.atomic import atomic_dir, write_json
+from wamrl.envs.conventions import Normalizer
 from wamrl.ppo import param_names
 from wamrl.world_model import WindowBatches, list_windows, world_model_update
 
@@ -54,6 +55,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     for p in frozen.parameters():
         p.requires_grad_(False)
     context, mask = load_contexts(prev_dir / "context.safetensors")
+    # The rollout normalised its queries with this policy's stats: the same for video/proprio.
+    normalizer = Normalizer.load(prev_dir / "stats.json")
     shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
     specs, counts = list_windows(shards, wcfg)
     batches = WindowBatches(
@@ -65,6 +68,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         wcfg,
         int(cfg["env"]["replan_steps"]),
         device,
+        normalizer,
     )
 
     prev_wm = paths.world_model_dir(run_dir, iteration - 1)

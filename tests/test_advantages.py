@@ -26,8 +26,11 @@ def test_normalise_rec_constant_gives_zero() -> None:
 
 
 def test_combine() -> None:
+    # r = r_task + beta * (1 - gamma) * clip(z, -c, c): 0.1 * 0.01 * {2, -1}
     np.testing.assert_allclose(
-        A.combine(np.array([0.0, 1.0]), np.array([2.0, -1.0]), 0.1), [0.2, 0.9]
+        A.combine(np.array([0.0, 1.0]), np.array([2.0, -1.0]), 0.1, 0.99, 3.0),
+        [0.1 * 0.01 * 2.0, 1.0 - 0.1 * 0.01],
+        rtol=1e-6,
     )
 
 
@@ -138,6 +141,7 @@ def test_compute_advantages_joins_a_group_split_over_shards() -> None:
         "beta": 0.1,
         "gamma": 0.99,
         "gamma_libero_10": 0.995,
+        "rec_clip": 3.0,
         "filter": "all_same",
         "zero_spread_eps": 1e-6,
     }

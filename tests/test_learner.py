@@ -47,6 +47,7 @@ def small_cfg() -> dict[str, Any]:
     cfg["rollout"]["group_size"] = 4
     cfg["reward"]["imagine_steps"] = 2
     cfg["actor"]["minibatch"] = 8
+    cfg["actor"]["target_kl"] = None  # lr 1e-4 steps below would pass it; tested on its own
     cfg["world_model"]["batch"] = 2
     cfg["world_model"]["windows_per_episode"] = 2
     return cfg
@@ -247,7 +248,9 @@ def test_actor_update_follows_advantage_sign(run_after_reward) -> None:
     policy, data = _data(run, cfg)
     assert (data.adv > 0).any() and (data.adv < 0).any()
     cfg = copy.deepcopy(cfg)
-    cfg["actor"]["lr"] = 1e-4
+    # A step inside the trust region: at lr 1e-4 log pi moved by up to 9 nats here (ratio
+    # e^9), where the sign of the change no longer follows the first-order gradient.
+    cfg["actor"]["lr"] = 2e-5
     params = policy.parameter_groups()["actor"]
     idx = np.arange(len(data))
     with torch.no_grad():
@@ -257,6 +260,7 @@ def test_actor_update_follows_advantage_sign(run_after_reward) -> None:
     with torch.no_grad():
         after = ppo._log_prob(policy, data, idx, "cpu")
     delta = (after - before).numpy()
+    assert float((data.adv * delta).sum()) > 0  # the surrogate rose
     assert delta[data.adv > 0].mean() > 0, delta
     assert delta[data.adv < 0].mean() < 0, delta
     assert metrics["epochs"][0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-3)
@@ -409,3 +413,94 @@ def test_micro_batches_give_the_same_update(run_after_reward) -> None:
         torch.testing.assert_close(parts[name], value, rtol=1e-5, atol=1e-7, msg=name)
     for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "ratio_mean"):
         assert m_parts[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-7), key
+
+
+def _adam_steps(opt: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far (Adam counts them per parameter)."""
+    states = [st for st in opt.state.values() if "step" in st]
+    return int(states[0]["step"]) if states else 0
+
+
+def test_target_kl_stops_the_update_where_the_kl_passes_it(run_after_reward) -> None:
+    """actor.target_kl: every optimizer step is taken at a KL <= target; the first minibatch
+    whose exact KL from pi_old exceeds it ends the update, its step not taken."""
+    run, cfg = run_after_reward
+    cfg = copy.deepcopy(cfg)
+    cfg["actor"].update(lr=1e-3, minibatch=2, epochs=3)
+    runs = {}
+    for target in (None, 0.02):
+        cfg["actor"]["target_kl"] = target
+        policy, data = _data(run, cfg)
+        opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=1e-3)
+        steps_before = _adam_steps(opt)
+        metrics = ppo.actor_update(policy, None, data, cfg, opt)
+        runs[target] = (metrics, _adam_steps(opt) - steps_before)
+    full, n_full = runs[None]
+    per_epoch = math.ceil(len(data) / 2)
+    assert full["early_stop"] is None and n_full == 3 * per_epoch
+    assert full["kl"] > 0.02  # unconstrained, the update goes past the target
+    stopped, n_stopped = runs[0.02]
+    trace = stopped["kl_trace"]
+    assert stopped["early_stop"] is not None and n_stopped < n_full
+    assert n_stopped == len(trace) - 1 == stopped["early_stop"]["optimizer_steps"]
+    assert all(k <= 0.02 for k in trace[:-1]) and trace[-1] > 0.02
+    assert stopped["early_stop"]["kl"] == trace[-1]
+    assert trace[0] == pytest.approx(0.0, abs=1e-9)  # unchanged weights: no KL yet
+
+
+def test_reference_kl_pulls_the_actor_back_to_the_reference(run_after_reward) -> None:
+    """With zero advantages only the lambda_ref term acts: its closed form lowers the KL to
+    the reference, which mean(log pi - log pi_ref) on samples of pi_old would not."""
+    run, cfg = run_after_reward
+    cfg = copy.deepcopy(cfg)
+    cfg["actor"].update(lr=3e-4, epochs=3, ref_kl=1.0)
+    ref, data = _data(run, cfg)
+    policy = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameter_groups()["actor"]:
+            p.add_(1e-2 * torch.randn(p.shape, generator=gen))
+    data = copy.copy(data)
+    data.adv = np.zeros_like(data.adv)
+    idx = np.arange(len(data))
+
+    def kl_to_ref() -> float:
+        with torch.no_grad():
+            mu, std = ppo._transition(policy, data, idx, "cpu")
+            mu_ref, _ = ppo._transition(ref, data, idx, "cpu")
+        return float(sampler.gaussian_kl(mu, mu_ref, std).mean())
+
+    before = kl_to_ref()
+    opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=3e-4)
+    cfg["actor"]["logp_old"] = "recompute"  # the perturbed policy is pi_old here
+    metrics = ppo.actor_update(policy, ref, data, cfg, opt)
+    assert metrics["epochs"][0]["ref_kl"] == pytest.approx(before, rel=1e-4)
+    assert kl_to_ref() < 0.5 * before, (before, kl_to_ref())
+
+
+def test_logp_check_tolerance_scales_with_the_steps_sensitivity(run_after_reward) -> None:
+    """The same |ratio - 1| passes at the most sensitive k* and fails at k* = 1."""
+    run, cfg = run_after_reward
+    policy, data = _data(run, cfg)
+    tol = cfg["actor"]["logp_check_tol"]
+    K = data.K
+    sens = sampler.logp_sensitivity(K, data.noise_a, data.shift)
+    np.testing.assert_allclose(
+        ppo.logp_tolerance(data, tol), tol * sens[data.k_star].numpy() / float(sens[1])
+    )
+    assert {1, K - 1} <= set(data.k_star.tolist())
+    late, early = (
+        int(np.flatnonzero(data.k_star == K - 1)[0]),
+        int(np.flatnonzero(data.k_star == 1)[0]),
+    )
+    gap = 3 * tol  # inside the late step's tolerance (x sens ratio > 3), outside k* = 1's
+    assert float(sens[K - 1] / sens[1]) > 3
+    for j, passes in ((late, True), (early, False)):
+        off = copy.copy(data)
+        off.logp_old = data.logp_old.copy()
+        off.logp_old[j] += gap
+        if passes:
+            ppo.check_logp(policy, off, tol, 8, "cpu")
+        else:
+            with pytest.raises(ppo.LogProbMismatchError, match="k\\* = 1"):
+                ppo.check_logp(policy, off, tol, 8, "cpu")

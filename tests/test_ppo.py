@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from wamrl.ppo import optimizer_from_tensors, optimizer_to_tensors, ppo_loss
+from wamrl.sampler import gaussian_kl
 
 
 def _hand_loss(ratios: list[float], advs: list[float], lo: float, hi: float) -> float:
@@ -62,15 +63,28 @@ def test_ppo_gradient_zero_on_clipped_branch() -> None:
     assert torch.all(new.grad == 0)  # both are clipped: no push beyond the trust region
 
 
-def test_reference_kl_term() -> None:
+def test_reference_kl_term_adds_the_closed_form() -> None:
     new, old = _logps(RATIOS)
     adv = torch.tensor(ADVS, dtype=torch.float64)
-    ref = old - 0.3
+    kl_ref = torch.tensor([0.1, 0.0, 0.3, 0.2, 0.5, 0.0, 0.4], dtype=torch.float64)
     base, _ = ppo_loss(new, old, adv, 0.2, 0.2)
-    with_ref, stats = ppo_loss(new, old, adv, 0.2, 0.2, logp_ref=ref, ref_kl=0.01)
-    term = float((new - ref).mean())
-    assert stats["ref_kl"] == pytest.approx(term)
-    assert float(with_ref) == pytest.approx(float(base) + 0.01 * term, rel=1e-9)
+    with_ref, stats = ppo_loss(new, old, adv, 0.2, 0.2, kl_ref=kl_ref, ref_kl=0.01)
+    assert stats["ref_kl"] == pytest.approx(1.5 / 7)
+    assert float(with_ref) == pytest.approx(float(base) + 0.01 * 1.5 / 7, rel=1e-9)
+
+
+def test_gaussian_kl_is_the_kl_of_two_gaussians_with_one_std() -> None:
+    from torch.distributions import Normal, kl_divergence
+
+    g = torch.Generator().manual_seed(0)
+    mu, mu_ref = torch.randn(3, 32, 7, generator=g), torch.randn(3, 32, 7, generator=g)
+    std = torch.tensor([0.2, 0.5, 1.3])[:, None, None].expand(3, 32, 7)
+    want = kl_divergence(Normal(mu, std), Normal(mu_ref, std)).flatten(1).sum(1)
+    torch.testing.assert_close(gaussian_kl(mu, mu_ref, std), want, rtol=1e-5, atol=1e-6)
+    # Its gradient pulls mu toward mu_ref: d KL / d mu = (mu - mu_ref) / std^2.
+    mu = mu.requires_grad_()
+    gaussian_kl(mu, mu_ref, std).sum().backward()
+    torch.testing.assert_close(mu.grad, (mu - mu_ref).detach() / std**2)
 
 
 def test_optimizer_state_roundtrip() -> None:

@@ -321,3 +321,22 @@ def test_mixed_sampler_chain_and_logp_with_the_tiny_model() -> None:
     lp3.sum().backward()
     assert model.action_outp.weight.grad is not None
     assert float(model.action_outp.weight.grad.abs().sum()) > 0
+
+
+def test_logp_sensitivity_is_the_gradient_of_log_pi_in_the_velocity() -> None:
+    """|d log pi / d v| = |xi| sqrt(Delta) (1 + a^2/2) / g_k at every SDE step (autograd)."""
+    from wamrl.sampler import logp_sensitivity
+
+    K, a = 8, 0.5
+    sens = logp_sensitivity(K, a, SHIFT)
+    sig = sigma_schedule(K, SHIFT).double()
+    g = torch.Generator().manual_seed(0)
+    for k in range(1, K):
+        x, xi = torch.randn(2, 1, 32, 7, generator=g)
+        v = torch.randn(1, 32, 7, generator=g).requires_grad_()
+        mu, std = sde_mean_std(x, v, sig[k], sig[k + 1], a)
+        x_next = (mu + std * xi).detach()  # a sample of this step: x_{k+1} - mu = std xi
+        gaussian_log_prob(x_next, mu, std).sum().backward()
+        ratio = (v.grad.abs() / xi.abs()).flatten()
+        torch.testing.assert_close(ratio, torch.full_like(ratio, float(sens[k])), rtol=1e-3, atol=0)
+    assert float(sens[K - 1] / sens[1]) == pytest.approx(24.25, abs=0.01)

@@ -37,9 +37,79 @@ def normalise_rec(
     return out, mean, std
 
 
-def combine(r_task: np.ndarray, r_rec_norm: np.ndarray, beta: float) -> np.ndarray:
-    """r = r^task + beta * r~^rec (both already 0 on padding)."""
-    return (r_task + beta * r_rec_norm).astype(np.float32)
+def combine(
+    r_task: np.ndarray,
+    r_rec_norm: np.ndarray,
+    beta: float,
+    gamma: float | np.ndarray = 0.99,
+    clip: float = 3.0,
+) -> np.ndarray:
+    """r = r^task + beta * (1 - gamma) * clip(r~^rec, -clip, clip) (inputs 0 on padding).
+
+    gamma: a float or one discount per episode [E] (the episode's own, see episode_gammas).
+    Why: the reconstruction part of any return R_t over the n steps left is beta times
+    sum_k (1 - gamma) gamma^k clip(z_{t+k}), a discount-weighted average of clipped z-scores
+    (weights sum to 1 - gamma^n <= 1), so its magnitude is at most
+    B(n) = beta * clip * (1 - gamma^n) < beta * clip, however long the episode. A success
+    at step s adds gamma^(s-t) to R_t; success_margin says when that beats every failing
+    member's reconstruction return. beta = 0 gives r = r^task exactly.
+    """
+    r_task = np.asarray(r_task)
+    if beta == 0:  # exact, even where r~^rec is not finite
+        return r_task.astype(np.float32)
+    g = np.asarray(gamma, dtype=np.float64)
+    scale = beta * (1.0 - (g[:, None] if g.ndim == 1 else g))  # [E, 1] per episode
+    rec = np.clip(np.asarray(r_rec_norm, dtype=np.float64), -clip, clip)
+    return (r_task + scale * rec).astype(np.float32)
+
+
+def success_margin(beta: float, gamma: float, clip: float, horizon: int) -> float:
+    """min over n = 1..horizon of gamma^(n-1) - 2 B(n), B(n) = beta * clip * (1 - gamma^n).
+
+    At step t, a member that succeeds at step s (n = s - t + 1 <= horizon steps left,
+    counting t) has R_t >= gamma^(n-1) - B(n); a failing member alive at t has
+    R_t <= B(n') for its n' <= horizon steps left (r^task = 0, combine's bound). Hence
+    success beats every failing member alive at every step iff the margin is > 0, for any
+    clipped z-scores (tight: failures at +clip, the success at -clip, both `horizon` long).
+    Both terms fall with n, so the minimum is at n = horizon. horizon: the store's T.
+    """
+    if horizon < 1:
+        return 1.0  # no step, nothing to outweigh
+    n = np.arange(1, int(horizon) + 1, dtype=np.float64)
+    g = float(gamma)
+    return float(np.min(g ** (n - 1) - 2.0 * beta * clip * (1.0 - g**n)))
+
+
+def success_dominates(beta: float, gamma: float, clip: float, horizon: int) -> bool:
+    """True iff a success always out-returns every failing group member (success_margin > 0).
+
+    beta = 0 always passes (r = r^task: a failure's return is 0, a success's is > 0).
+    """
+    return beta == 0 or success_margin(beta, gamma, clip, horizon) > 0
+
+
+def require_success_dominates(
+    beta: float, clip: float, gammas: dict[str, float], horizon: int
+) -> dict[str, float]:
+    """success_margin per discount in use ({config key: gamma}); ValueError if one fails.
+
+    The message names reward.beta, reward.rec_clip, the gamma key and the horizon, and the
+    largest beta that would pass, so a run stops before any work with the fix in hand.
+    """
+    margins: dict[str, float] = {}
+    for key, g in gammas.items():
+        margins[key] = success_margin(beta, g, clip, horizon)
+        if success_dominates(beta, g, clip, horizon):
+            continue
+        lhs, bound = g ** (horizon - 1), 2.0 * clip * (1.0 - g**horizon)
+        raise ValueError(
+            f"reward.beta={beta}, reward.rec_clip={clip}, {key}={g}, horizon T={horizon} "
+            f"macro-steps: reconstruction reward can outweigh task success (needs "
+            f"gamma^(T-1) > 2 * beta * rec_clip * (1 - gamma^T): {lhs:.4g} <= "
+            f"{beta * bound:.4g}). Use reward.beta < {lhs / bound:.4g} at this rec_clip, "
+            f"a smaller reward.rec_clip, or fewer macro-steps (env.max_macro_steps)."
+        )
+    return margins
 
 
 def episode_gammas(

@@ -6,7 +6,12 @@ through the action expert (the first-frame cache is computed under no_grad: the 
 expert is frozen here) and optimises
 
     rho = exp(log N(x_{k*+1}; mu_new, std^2) - log pi_old)
-    L   = -mean[min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)]  (+ lambda_ref KL term)
+    L   = -mean[min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)]
+          + lambda_ref mean[sum (mu_new - mu_ref)^2 / (2 std^2)]
+
+Trust region: the KL of the iteration's policy from pi_old at the stored x_{k*} is known in
+closed form, KL = sum (mu_new - mu_old)^2 / (2 std^2) (both Gaussians share std), so the
+update measures it exactly on every minibatch and stops once it passes actor.target_kl.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.base import Obs, Policy
 from wamrl.runtime import AMP_DTYPES, autocast
 
@@ -37,14 +43,16 @@ def ppo_loss(
     adv: Tensor,
     clip_low: float,
     clip_high: float,
-    logp_ref: Tensor | None = None,
+    kl_ref: Tensor | None = None,
     ref_kl: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped PPO surrogate (clip-higher when clip_high > clip_low) + optional reference KL.
 
-    Returns (loss, stats) with stats: policy loss, clip fraction (share of samples whose
-    ratio left [1 - clip_low, 1 + clip_high]), approx KL = mean((rho - 1) - log rho)
-    (Schulman's k3 estimator, >= 0), mean ratio, and the reference KL term if used.
+    kl_ref: the per-sample closed-form KL to the reference policy (sampler.gaussian_kl);
+    the loss adds ref_kl * mean(kl_ref). Returns (loss, stats) with stats: policy loss, clip
+    fraction (share of samples whose ratio left [1 - clip_low, 1 + clip_high]), approx KL =
+    mean((rho - 1) - log rho) (Schulman's k3 estimator, >= 0), mean ratio, and the reference
+    KL if given.
     """
     log_ratio = logp_new - logp_old
     ratio = torch.exp(log_ratio)
@@ -53,9 +61,10 @@ def ppo_loss(
     policy_loss = -torch.minimum(unclipped, clipped).mean()
     loss = policy_loss
     stats: dict[str, float] = {}
-    if logp_ref is not None and ref_kl != 0.0:
-        # Seed 002 section 8.2: lambda_ref * mean(log pi - log pi_ref) on the sampled x_{k*+1}.
-        ref_term = (logp_new - logp_ref).mean()
+    if kl_ref is not None:
+        # Not seed 002's mean(log pi - log pi_ref) on samples of pi_old: its gradient is that
+        # of log pi alone and does not pull toward the reference; the closed form does.
+        ref_term = kl_ref.mean()
         loss = loss + ref_kl * ref_term
         stats["ref_kl"] = float(ref_term.detach())
     with torch.no_grad():
@@ -113,6 +122,36 @@ class ActorData:
         return torch.from_numpy(np.ascontiguousarray(getattr(self, name)[idx])).to(device)
 
 
+def _transition(
+    policy: Policy,
+    data: ActorData,
+    idx: np.ndarray,
+    device: torch.device | str,
+    amp: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(mu, std) of the SDE step at the stored x_{k*}; grads flow through the action expert.
+
+    amp (e.g. torch.bfloat16) autocasts the model's matmuls; the velocity is cast back and
+    the SDE mean and std stay float32 (sampler.py casts them).
+    """
+    from wamrl import sampler
+
+    obs = data.obs(idx, device)
+    with autocast(device, amp):
+        with torch.no_grad():  # the video expert is frozen in the actor phase (seed 002, 8.3)
+            cache = policy.prefill(obs)
+        return sampler.recompute_mean_std(
+            policy,
+            obs,
+            data.tensor("x_k", idx, device).float(),
+            data.tensor("k_star", idx, device).long(),
+            data.K,
+            data.noise_a,
+            data.shift,
+            cache=cache,
+        )
+
+
 def _log_prob(
     policy: Policy,
     data: ActorData,
@@ -120,28 +159,53 @@ def _log_prob(
     device: torch.device | str,
     amp: torch.dtype | None = None,
 ) -> Tensor:
-    """log pi of the stored x_{k*+1} given x_{k*}; grads flow through the action expert only.
+    """log pi of the stored x_{k*+1} given x_{k*} (float32, [len(idx)])."""
+    from wamrl import sampler
 
-    amp (e.g. torch.bfloat16) autocasts the model's matmuls; the velocity is cast back and
-    the SDE mean, std and Gaussian log-density stay float32 (sampler.py casts them).
-    """
-    from wamrl import sampler  # imported late: the sampler module is another helper's file
+    mu, std = _transition(policy, data, idx, device, amp)
+    return sampler.gaussian_log_prob(data.tensor("x_next", idx, device).float(), mu, std)
 
-    obs = data.obs(idx, device)
-    with autocast(device, amp):
-        with torch.no_grad():  # the video expert is frozen in the actor phase (seed 002, 8.3)
-            cache = policy.prefill(obs)
-        return sampler.recompute_log_prob(
-            policy,
-            obs,
-            data.tensor("x_k", idx, device).float(),
-            data.tensor("x_next", idx, device).float(),
-            data.tensor("k_star", idx, device).long(),
-            data.K,
-            data.noise_a,
-            data.shift,
-            cache=cache,
+
+@dataclass
+class LearnerPass:
+    """The learner's view of every stored step on fixed weights (host arrays)."""
+
+    logp: np.ndarray  # float64 [N]
+    mu: np.ndarray  # float32 [N, 32, 7]: the SDE mean at x_{k*}
+    std: np.ndarray  # float32 [N]: the SDE std (one per step: it depends on k* alone)
+
+
+def learner_pass(
+    policy: Policy,
+    data: ActorData,
+    batch: int,
+    device: torch.device | str,
+    amp: torch.dtype | None = None,
+    limit: int | None = None,
+) -> LearnerPass:
+    """log pi, mu and std of the first `limit` (default all) stored steps on the current
+    weights, no grad; a non-finite log pi fails, naming its step."""
+    from wamrl import sampler
+
+    n = len(data) if limit is None else min(limit, len(data))
+    logp = np.empty(n, np.float64)
+    mu = np.empty((n, *data.x_k.shape[1:]), np.float32)
+    std = np.empty(n, np.float32)
+    with torch.no_grad():
+        for start in range(0, n, batch):
+            idx = np.arange(start, min(start + batch, n))
+            m, s = _transition(policy, data, idx, device, amp)
+            lp = sampler.gaussian_log_prob(data.tensor("x_next", idx, device).float(), m, s)
+            logp[idx] = lp.double().cpu().numpy()
+            mu[idx] = m.cpu().numpy()
+            std[idx] = s.flatten(1)[:, 0].cpu().numpy()
+    bad = np.flatnonzero(~np.isfinite(logp))
+    if len(bad):
+        raise LogProbMismatchError(
+            f"recomputed log pi is not finite at (shard, episode, step) = "
+            f"{tuple(int(v) for v in data.where[bad[0]])}"
         )
+    return LearnerPass(logp, mu, std)
 
 
 def learner_logp(
@@ -152,34 +216,49 @@ def learner_logp(
     amp: torch.dtype | None = None,
     limit: int | None = None,
 ) -> np.ndarray:
-    """The learner's log pi of the first `limit` (default all) stored steps on the current
-    weights, float64 on the host; a non-finite value fails, naming its step."""
-    n = len(data) if limit is None else min(limit, len(data))
-    out = np.empty(n, np.float64)
-    with torch.no_grad():
-        for start in range(0, n, batch):
-            idx = np.arange(start, min(start + batch, n))
-            out[idx] = _log_prob(policy, data, idx, device, amp).double().cpu().numpy()
-    bad = np.flatnonzero(~np.isfinite(out))
-    if len(bad):
-        raise LogProbMismatchError(
-            f"recomputed log pi is not finite at (shard, episode, step) = "
-            f"{tuple(int(v) for v in data.where[bad[0]])}"
-        )
-    return out
+    """The learner's log pi of the first `limit` (default all) stored steps, float64."""
+    return learner_pass(policy, data, batch, device, amp, limit).logp
 
 
-def logp_gap(logp: np.ndarray, data: ActorData) -> dict[str, float]:
-    """How far `logp` lies from the rollout's stored log pi_old, step by step."""
+def kl_by_k_star(
+    before: LearnerPass, after: LearnerPass, k_star: np.ndarray, K: int
+) -> dict[str, Any]:
+    """The exact KL of the SDE step from `before` to `after` at the stored x_{k*}:
+    sum (mu_after - mu_before)^2 / (2 std^2) per step; its mean over all steps and per k*."""
+    d = (after.mu - before.mu) / before.std[:, None, None]
+    kl = 0.5 * (d.astype(np.float64) ** 2).reshape(len(d), -1).sum(1)
+    per_k = {str(k): float(kl[k_star == k].mean()) for k in range(1, K) if (k_star == k).any()}
+    return {"kl": float(kl.mean()) if len(kl) else 0.0, "kl_by_k_star": per_k}
+
+
+def logp_tolerance(data: ActorData, tol: float) -> np.ndarray:
+    """The allowed |ratio - 1| of each step: tol at the least sensitive k*, scaled by
+    sampler.logp_sensitivity, since the same float rounding of the velocity (another batch
+    shape, another GPU kernel) moves log pi ~24x more at k* = K-1 than at k* = 1."""
+    from wamrl import sampler
+
+    sens = sampler.logp_sensitivity(data.K, data.noise_a, data.shift).numpy()
+    return tol * sens[data.k_star] / sens[1:].min()
+
+
+def logp_gap(logp: np.ndarray, data: ActorData, tol: float | None = None) -> dict[str, float]:
+    """How far `logp` lies from the rollout's stored log pi_old, step by step; with `tol`,
+    also the largest |ratio - 1| as a share of its step's tolerance (logp_tolerance)."""
     delta = logp - data.logp_old[: len(logp)].astype(np.float64)
+    dev = np.abs(np.expm1(delta))
     j = int(np.abs(delta).argmax())
-    return {
+    out = {
         "logp_check_steps": float(len(logp)),
         "logp_check_max_abs_delta": float(abs(delta[j])),
         "logp_check_mean_abs_delta": float(np.abs(delta).mean()),
-        "logp_check_max_ratio_dev": float(np.abs(np.expm1(delta)).max()),
+        "logp_check_max_ratio_dev": float(dev.max()),
         "logp_check_worst_step": float(j),
     }
+    if tol is not None:
+        share = dev / logp_tolerance(data, tol)[: len(logp)]
+        out["logp_check_worst_share_of_tol"] = float(share.max())
+        out["logp_check_worst_step"] = float(share.argmax())
+    return out
 
 
 def check_logp(
@@ -190,23 +269,29 @@ def check_logp(
     device: torch.device | str,
     limit: int | None = None,
 ) -> dict[str, float]:
-    """Before any update: recomputed log pi must equal log pi_old (|ratio - 1| <= tol).
+    """Before any update: recomputed log pi must equal log pi_old, |ratio - 1| within
+    logp_tolerance (tol at k* = 1, scaled by the step's sensitivity).
 
     A mismatch (bf16 rollout vs fp32 learner, a different checkpoint, a wrong k* or
     schedule) would silently bias the first PPO ratio; fail loudly and say where.
     """
-    gap = logp_gap(learner_logp(policy, data, batch, device, limit=limit), data)
-    if gap["logp_check_max_ratio_dev"] > tol:
+    return check_pass(learner_pass(policy, data, batch, device, limit=limit), data, tol)
+
+
+def check_pass(lp: LearnerPass, data: ActorData, tol: float) -> dict[str, float]:
+    """check_logp on an already computed learner pass."""
+    gap = logp_gap(lp.logp, data, tol)
+    if gap["logp_check_worst_share_of_tol"] > 1.0:
         j = int(gap["logp_check_worst_step"])
         s, e, t = (int(v) for v in data.where[j])
+        dev = abs(math.expm1(lp.logp[j] - float(data.logp_old[j])))
         raise LogProbMismatchError(
-            f"log pi check failed before the actor update: max |ratio - 1| = "
-            f"{gap['logp_check_max_ratio_dev']:.3g} > actor.logp_check_tol = {tol:g}; max "
-            f"|delta logp| = {gap['logp_check_max_abs_delta']:.4g} at shard {s}, episode {e}, "
-            f"step {t} (k* = {int(data.k_star[j])}, stored log pi_old = "
-            f"{float(data.logp_old[j]):.4f}). The learner's log pi on unchanged weights must "
-            "reproduce the rollout's: check float32 log-probs, the policy checkpoint the "
-            "rollout used, K / a / shift, and the stored chain."
+            f"log pi check failed before the actor update: |ratio - 1| = {dev:.3g} > "
+            f"{float(logp_tolerance(data, tol)[j]):.3g} (actor.logp_check_tol = {tol:g}, scaled "
+            f"for k* = {int(data.k_star[j])}) at shard {s}, episode {e}, step {t} (stored log "
+            f"pi_old = {float(data.logp_old[j]):.4f}, recomputed {lp.logp[j]:.4f}). The "
+            "learner's log pi on unchanged weights must reproduce the rollout's: check float32 "
+            "log-probs, the policy checkpoint the rollout used, K / a / shift, and the chain."
         )
     return gap
 
@@ -222,17 +307,22 @@ def actor_update(
     ref_policy: Policy | None,
     data: ActorData,
     cfg: dict[str, Any],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | MasterWeightOptimizer,
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> dict[str, Any]:
-    """2 (cfg actor.epochs) PPO epochs over all kept macro-steps in shuffled minibatches
+    """Up to actor.epochs PPO epochs over all kept macro-steps in shuffled minibatches
     (each computed in actor.micro_batch parts, gradients accumulated: the same update).
 
+    Trust region: before each optimizer step the minibatch's exact KL from pi_old
+    (kl_by_k_star's formula on the minibatch) is measured; once it passes actor.target_kl
+    the update stops without taking that step (metrics["early_stop"] says where).
     Raises LogProbMismatchError before touching the weights if log pi_old is not
     reproduced, and NonFiniteError on any NaN/Inf in loss, gradients or parameters.
-    Returns {"logp_check": ..., "epochs": [per-epoch metrics], ...}.
+    Returns {"logp_check": ..., "epochs": [per-epoch metrics], "kl": ..., ...}.
     """
+    from wamrl import sampler
+
     acfg = cfg["actor"]
     params = [p for p in policy.parameter_groups()["actor"] if p.requires_grad]
     metrics: dict[str, Any] = {
@@ -240,6 +330,8 @@ def actor_update(
         "groups_kept": data.groups_kept,
         "groups_total": data.groups_total,
         "epochs": [],
+        "early_stop": None,
+        "kl_trace": [],  # the minibatch's exact KL from pi_old before each optimizer step
     }
     if len(data) == 0:
         metrics["skipped"] = "no kept macro-steps (every group was degenerate or empty)"
@@ -249,17 +341,23 @@ def actor_update(
     # accumulate; the same update) so that a minibatch need not fit the GPU at once.
     micro = min(int(acfg.get("micro_batch") or mb), mb)
     amp = AMP_DTYPES[acfg.get("amp")]
+    target_kl = acfg.get("target_kl")
+    ref_kl = float(acfg["ref_kl"])
     if acfg.get("logp_old", "rollout") == "recompute":
         # The ratio's denominator is the learner's own log pi on the unchanged weights, in
         # the update's precision, so it starts at 1 even when the rollout ran in bf16; the
         # rollout's value is only compared (the behaviour/learner gap, reported).
-        logp_old = learner_logp(policy, data, micro, device, amp)
-        metrics["logp_check"] = logp_gap(logp_old, data)
+        old = learner_pass(policy, data, micro, device, amp)
+        metrics["logp_check"] = logp_gap(old.logp, data, float(acfg["logp_check_tol"]))
+        logp_old = old.logp
     else:
         # The check compares with the rollout's float32 log pi_old, so it runs in float32.
-        tol = float(acfg["logp_check_tol"])
-        metrics["logp_check"] = check_logp(policy, data, tol, micro, device)
+        old = learner_pass(policy, data, micro, device)
+        metrics["logp_check"] = check_pass(old, data, float(acfg["logp_check_tol"]))
         logp_old = data.logp_old
+
+    def host(a: np.ndarray, part: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a[part])).to(device)
 
     rng = np.random.default_rng(seed)
     for epoch in range(int(acfg["epochs"])):
@@ -273,24 +371,31 @@ def actor_update(
             loss_sum, stats = 0.0, dict[str, float]()
             for part in np.split(idx, range(micro, len(idx), micro)):
                 weight = len(part) / len(idx)
-                logp_new = _log_prob(policy, data, part, device, amp)
-                logp_ref = None
-                if ref_policy is not None and float(acfg["ref_kl"]) != 0.0:
+                mu, std = _transition(policy, data, part, device, amp)
+                x_next = data.tensor("x_next", part, device).float()
+                logp_new = sampler.gaussian_log_prob(x_next, mu, std)
+                kl_ref = None
+                if ref_policy is not None and ref_kl != 0.0:
                     with torch.no_grad():
-                        logp_ref = _log_prob(ref_policy, data, part, device, amp)
+                        mu_ref, _ = _transition(ref_policy, data, part, device, amp)
+                    kl_ref = sampler.gaussian_kl(mu, mu_ref, std)
                 loss, part_stats = ppo_loss(
                     logp_new,
-                    torch.from_numpy(np.asarray(logp_old[part], np.float32)).to(device),
+                    host(np.asarray(logp_old, np.float32), part),
                     data.tensor("adv", part, device).float(),
                     float(acfg["clip_low"]),
                     float(acfg["clip_high"]),
-                    logp_ref=logp_ref,
-                    ref_kl=float(acfg["ref_kl"]),
+                    kl_ref=kl_ref,
+                    ref_kl=ref_kl,
                 )
                 if not torch.isfinite(loss):
                     raise NonFiniteError(
                         f"non-finite actor loss {float(loss.detach())} "
                         f"(epoch {epoch}, minibatch at {start})"
+                    )
+                with torch.no_grad():  # exact KL from pi_old: both Gaussians share std
+                    part_stats["kl"] = float(
+                        sampler.gaussian_kl(mu, host(old.mu, part), std).mean()
                     )
                 (loss * weight).backward()
                 loss_sum += weight * float(loss.detach())
@@ -300,6 +405,16 @@ def actor_update(
                 # Parameters used only inside the no_grad cache (e.g. an encoder that feeds
                 # prefill) get no gradient here; report how many so it is not silent.
                 metrics["actor_params_without_grad"] = sum(p.grad is None for p in params)
+            metrics["kl_trace"].append(stats["kl"])
+            if target_kl is not None and stats["kl"] > float(target_kl):
+                # The weights already sit target_kl from pi_old here; this step is not taken.
+                metrics["early_stop"] = {
+                    "epoch": epoch,
+                    "minibatch": start // mb,
+                    "kl": stats["kl"],
+                    "optimizer_steps": epoch * math.ceil(len(data) / mb) + start // mb,
+                }
+                break
             grad_norm = torch.nn.utils.clip_grad_norm_(params, float(acfg["grad_clip"]))
             if not torch.isfinite(grad_norm):
                 raise NonFiniteError(
@@ -312,14 +427,23 @@ def actor_update(
             if start == 0:
                 first_ratio = stats["ratio_mean"]
             rows.append({"loss": loss_sum, "grad_norm": float(grad_norm), **stats})
-        epoch_metrics = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-        epoch_metrics.update(
-            epoch=epoch,
-            minibatches=len(rows),
-            ratio_first_minibatch=first_ratio,
-            groups_kept=data.groups_kept,
-        )
-        metrics["epochs"].append(epoch_metrics)
+        if rows:
+            epoch_metrics: dict[str, Any] = {
+                k: float(np.mean([r[k] for r in rows])) for k in rows[0]
+            }
+            epoch_metrics.update(
+                epoch=epoch,
+                minibatches=len(rows),
+                ratio_first_minibatch=first_ratio,
+                groups_kept=data.groups_kept,
+            )
+            metrics["epochs"].append(epoch_metrics)
+        if metrics["early_stop"] is not None:
+            break
+    optimizer.zero_grad(set_to_none=True)
+    # The iteration's step, measured exactly over every kept step (one more no-grad pass).
+    after = learner_pass(policy, data, micro, device, amp)
+    metrics.update(kl_by_k_star(old, after, data.k_star, data.K))
     return metrics
 
 

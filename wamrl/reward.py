@@ -3,8 +3,10 @@
 For every valid macro-step the world model imagines the frames at +4 and +8 env steps
 from the stored query image; r^rec = -MSE(imagined, rendered) in the model's [-1, 1]
 scale. Then, over the whole iteration (all shards together): normalise r^rec, combine
-r = r^task + beta * r~^rec, discount within each episode, group-normalise into
-advantages and mark degenerate groups. Every shard gets a `reward/` group.
+r = r^task + beta * (1 - gamma) * clip(r~^rec, -c, c) (advantages.combine: task success
+stays dominant, checked before any work by check_success_dominates), discount within each
+episode, group-normalise into advantages and mark degenerate groups. Every shard gets a
+`reward/` group.
 """
 
 from __future__ import annotations
@@ -154,6 +156,44 @@ def _global_groups(shards: list[ShardRewardInputs]) -> np.ndarray:
     return ids.reshape(-1)
 
 
+def gammas_in_use(task: np.ndarray, rcfg: dict[str, Any]) -> dict[str, float]:
+    """{config key: discount} for the suites present among the episodes' tasks."""
+    is_long = np.isin(np.asarray(task), np.asarray(A.LIBERO_10_TASKS))
+    out: dict[str, float] = {}
+    if (~is_long).any():
+        out["reward.gamma"] = float(rcfg["gamma"])
+    if is_long.any():
+        out["reward.gamma_libero_10"] = float(rcfg["gamma_libero_10"])
+    return out
+
+
+def check_success_dominates(shard_paths: list[Path], rcfg: dict[str, Any]) -> dict[str, float]:
+    """Stop (ValueError) before any imagination or write if reconstruction reward could
+    outweigh a success over the stores' horizon T (advantages.require_success_dominates).
+
+    Reads only the shards' shapes and tasks; returns the margin per discount in use.
+    """
+    T, tasks = 0, []
+    for path in shard_paths:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"no rollout store at {path}")
+        g = zarr.open_group(str(path), mode="r")
+        T = max(T, int(g["step/valid"].shape[1]))
+        tasks.append(np.asarray(g["episode/task"][:], dtype=np.int64))
+    task = np.concatenate(tasks) if tasks else np.zeros(0, np.int64)
+    return A.require_success_dominates(
+        float(rcfg["beta"]), float(rcfg["rec_clip"]), gammas_in_use(task, rcfg), T
+    )
+
+
+def rec_advantage_share(adv: np.ndarray, adv_beta0: np.ndarray, mask: np.ndarray) -> float | None:
+    """mean|A - A_beta0| / mean|A| over `mask`: the share of the advantage that the
+    reconstruction term moves (0 for beta = 0). None if there is no advantage to compare."""
+    a, a0 = adv[mask].astype(np.float64), adv_beta0[mask].astype(np.float64)
+    denom = float(np.abs(a).mean()) if a.size else 0.0
+    return float(np.abs(a - a0).mean()) / denom if denom > 0 else None
+
+
 def _pad_T(x: np.ndarray, T: int, fill: Any) -> np.ndarray:
     if x.shape[1] == T:
         return x
@@ -177,12 +217,18 @@ def compute_advantages(shards: list[ShardRewardInputs], rcfg: dict[str, Any]) ->
     # group_kept must stay constant within a group, so it is not used to drop them.
     compared = valid & ~crashed[:, None]
 
+    beta, clip = float(rcfg["beta"]), float(rcfg["rec_clip"])
+    g_default, g_long = float(rcfg["gamma"]), float(rcfg["gamma_libero_10"])
+    margins = A.require_success_dominates(beta, clip, gammas_in_use(task, rcfg), T)
     r_rec_norm, mean, std = A.normalise_rec(r_rec, valid)
-    beta = float(rcfg["beta"])
-    reward = np.where(valid, A.combine(r_task, r_rec_norm, beta), 0.0).astype(np.float32)
-    gamma = A.episode_gammas(task, float(rcfg["gamma"]), float(rcfg["gamma_libero_10"]))
+    gamma = A.episode_gammas(task, g_default, g_long)
+    reward = np.where(valid, A.combine(r_task, r_rec_norm, beta, gamma, clip), 0.0)
+    reward = reward.astype(np.float32)
     returns = A.discounted_returns(reward, valid, gamma)
     adv = A.group_advantages(returns, compared, group)
+    # The same advantages without the reconstruction term, to report its share.
+    returns_task = A.discounted_returns(np.where(valid, r_task, 0.0), valid, gamma)
+    adv_beta0 = A.group_advantages(returns_task, compared, group)
     kept = np.zeros(group.shape[0], dtype=bool)
     ok = ~crashed
     kept_ok = A.degenerate_groups(
@@ -214,11 +260,21 @@ def compute_advantages(shards: list[ShardRewardInputs], rcfg: dict[str, Any]) ->
         start += n
     groups_total = int(np.unique(group).size)
     groups_kept = int(np.unique(group[kept]).size)
+    # Steps that carry an advantage into the actor: kept, compared, >= 2 live members.
+    defined = compared & kept[:, None] & (A.live_members(compared, group) >= 2)
+    z = r_rec_norm[valid]
     summary = {
         "beta": beta,
-        "gamma": {"default": float(rcfg["gamma"]), "libero_10": float(rcfg["gamma_libero_10"])},
+        "gamma": {"default": g_default, "libero_10": g_long},
+        "rec_clip": clip,
+        # The factor on clip(r~^rec) per suite: beta * (1 - gamma).
+        "rec_scale": {"default": beta * (1.0 - g_default), "libero_10": beta * (1.0 - g_long)},
+        "success_margin": margins,
+        "horizon": T,
         "rec_mean": mean,
         "rec_std": std,
+        "rec_clipped_share": float((np.abs(z) > clip).mean()) if z.size else 0.0,
+        "rec_advantage_share": rec_advantage_share(adv, adv_beta0, defined),
         "filter": rcfg["filter"],
         "groups_kept": groups_kept,
         "groups_total": groups_total,
@@ -249,6 +305,7 @@ def run_reward(
     from wamrl import store  # imported late: store.py is another helper's file
 
     rcfg = cfg["reward"]
+    check_success_dominates(shard_paths, rcfg)  # before any imagination
     inputs = []
     for w, path in enumerate(shard_paths):
         g = open_rollout(path)

@@ -113,6 +113,34 @@ def sample_chunk(
     return SampleResult(torch.stack(chain, 1), k_star, logp)
 
 
+def recompute_mean_std(
+    policy: Policy,
+    obs: Obs | None,
+    x_k: Tensor,
+    k_star: Tensor,
+    K: int,
+    a: float,
+    shift: float,
+    cache: Any = None,
+) -> tuple[Tensor, Tensor]:
+    """The learner's grad-capable path: mean and std of the SDE step x_{k*} -> x_{k*+1}.
+
+    Uncompiled and eager. Pass `cache` computed under no_grad (the actor's gradient then stops
+    at the first-frame cache, seed 002 section 8.3); otherwise it is built from `obs` here.
+    """
+    if cache is None:
+        if obs is None:
+            raise ValueError("recompute needs obs or a cache")
+        cache = policy.prefill(obs)
+    sigmas = sigma_schedule(K, shift).to(x_k.device)
+    k_star = k_star.to(device=x_k.device, dtype=torch.long)
+    if bool(((k_star < 1) | (k_star > K - 1)).any()):
+        raise ValueError(f"k* must lie in 1..{K - 1}, got {k_star.tolist()}")
+    s, s_next = sigmas[k_star], sigmas[k_star + 1]
+    v = policy.velocity(cache, x_k, s)
+    return sde_mean_std(x_k, v, s, s_next, a)
+
+
 def recompute_log_prob(
     policy: Policy,
     obs: Obs | None,
@@ -124,23 +152,37 @@ def recompute_log_prob(
     shift: float,
     cache: Any = None,
 ) -> Tensor:
-    """The learner's grad-capable path: log pi(x_{k*+1} | x_{k*}) under the current weights.
-
-    Uncompiled and eager. Pass `cache` computed under no_grad (the actor's gradient then stops
-    at the first-frame cache, seed 002 section 8.3); otherwise it is built from `obs` here.
-    """
-    if cache is None:
-        if obs is None:
-            raise ValueError("recompute_log_prob needs obs or a cache")
-        cache = policy.prefill(obs)
-    sigmas = sigma_schedule(K, shift).to(x_k.device)
-    k_star = k_star.to(device=x_k.device, dtype=torch.long)
-    if bool(((k_star < 1) | (k_star > K - 1)).any()):
-        raise ValueError(f"k* must lie in 1..{K - 1}, got {k_star.tolist()}")
-    s, s_next = sigmas[k_star], sigmas[k_star + 1]
-    v = policy.velocity(cache, x_k, s)
-    mu, std = sde_mean_std(x_k, v, s, s_next, a)
+    """log pi(x_{k*+1} | x_{k*}) under the current weights (recompute_mean_std's path)."""
+    mu, std = recompute_mean_std(policy, obs, x_k, k_star, K, a, shift, cache)
     return gaussian_log_prob(x_next, mu, std)
+
+
+def gaussian_kl(mu: Tensor, mu_ref: Tensor, std: Tensor) -> Tensor:
+    """KL(N(mu, std^2) || N(mu_ref, std^2)) summed over every dim but the first: [B].
+
+    Both SDE steps share x_k, sigma and so std; the KL is sum (mu - mu_ref)^2 / (2 std^2)
+    (Flow-GRPO's velocity-space KL). Unlike mean(log pi - log pi_ref) on samples of pi_old,
+    its gradient pulls mu toward mu_ref.
+    """
+    d = (mu.float() - mu_ref.float()) / std.float()
+    return 0.5 * (d**2).flatten(1).sum(1)
+
+
+def logp_sensitivity(K: int, a: float, shift: float) -> Tensor:
+    """[K] |d log pi / d v| per unit of velocity error and of noise xi, for each SDE step k.
+
+    d mu / d v = -Delta (1 + g^2 (1 - sigma) / (2 sigma)) = -Delta (1 + a^2 / 2), and
+    log pi = -|x_{k+1} - mu|^2 / (2 std^2) + const with x_{k+1} - mu = std xi, so
+    d log pi / d v = xi Delta (1 + a^2/2) / std = xi sqrt(Delta) (1 + a^2/2) / g_k.
+    The same velocity error moves log pi (and a KL by the square) this much more at step k:
+    ~24x from k = 1 to k = 7 at K = 8, s = 5. Entry 0 (sigma = 1, g infinite) is 0.
+    """
+    sig = sigma_schedule(K, shift).double()
+    s, delta = sig[:-1], sig[:-1] - sig[1:]
+    g = a * torch.sqrt(s / (1.0 - s).clamp_min(1e-300))
+    out = torch.sqrt(delta) * (1.0 + a * a / 2.0) / g
+    out[0] = 0.0
+    return out
 
 
 def _bcast(t: Tensor, like: Tensor) -> Tensor:

@@ -32,12 +32,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from wamrl.envs.conventions import Normalizer
+from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.base import FRAME_STRIDE, Policy
 from wamrl.ppo import NonFiniteError
 
@@ -160,7 +163,9 @@ def world_model_update(
     lora_ids = {id(p) for p in lora}
     for p in policy.parameters():  # only LoRA trains: no grads for the rest of the model
         p.requires_grad_(id(p) in lora_ids)
-    opt = torch.optim.Adam(lora, lr=float(wcfg["lr"]))
+    # LoRA is bf16 on `fastwam`: float32 masters keep its 5e-5 steps from rounding away.
+    lr = float(wcfg["lr"])
+    opt = MasterWeightOptimizer(lora, lambda ps: torch.optim.Adam(ps, lr=lr))
     policy.train()
     lam = float(wcfg["kl_weight"])
     rows: list[dict[str, float]] = []
@@ -246,9 +251,14 @@ def list_windows(
 class WindowBatches(Sequence):
     """Lazy batches of windows read from the stores (a window is 9 frames, 10.8 MB as float).
 
-    proprio at t0: `video/proprio` [E, F, 8] if the store has it, else the stored
-    `step/proprio` of the macro-step that contains raw frame t0 (t0 // replan_steps,
-    video frame 0 being the first query's frame).
+    proprio at t0, normalised as the policy sees it everywhere else (SFT, rollout,
+    imagination): `video/proprio` [E, F, 8] holds raw proprio, so it goes through
+    `normalizer.normalize_state`; without it, the `step/proprio` of the macro-step that
+    contains raw frame t0 (t0 // replan_steps, video frame 0 being the first query's
+    frame), which the rollout stored already normalised and is used as is.
+
+    normalizer: the stats the rollout normalised with (iter_{n-1}/policy/stats.json). None
+    loads each shard's from its `policy_checkpoint` attribute (the rollout's policy dir).
     """
 
     def __init__(
@@ -261,10 +271,13 @@ class WindowBatches(Sequence):
         wcfg: dict[str, Any],
         replan_steps: int,
         device: torch.device | str = "cpu",
+        normalizer: Normalizer | None = None,
     ):
         import zarr  # list_windows validated the stores already
 
         self.groups = [zarr.open_group(str(p), mode="r") for p in shard_paths]
+        self.normalizer = normalizer
+        self._shard_norms: dict[int, Normalizer] = {}
         self.specs = specs
         self.batch = int(batch)
         self.context, self.context_mask = context, context_mask
@@ -284,8 +297,9 @@ class WindowBatches(Sequence):
             g = self.groups[s.shard]
             raw = np.asarray(g["video/frames"][s.episode, s.t0 : s.t0 + self.window_frames])
             video.append(raw[::FRAME_STRIDE])
-            if "video/proprio" in g:
-                proprio.append(np.asarray(g["video/proprio"][s.episode, s.t0], dtype=np.float32))
+            if "video/proprio" in g:  # raw: normalise as the rollout did for its queries
+                raw_p = np.asarray(g["video/proprio"][s.episode, s.t0], dtype=np.float32)
+                proprio.append(self._normalizer(s.shard).normalize_state(raw_p))
             else:
                 T = int(g["episode/length"][s.episode])
                 t = min(s.t0 // self.replan, max(T - 1, 0))
@@ -298,3 +312,22 @@ class WindowBatches(Sequence):
             "context": self.context[idx].to(self.device),
             "context_mask": self.context_mask[idx].to(self.device),
         }
+
+    def _normalizer(self, shard: int) -> Normalizer:
+        if self.normalizer is not None:
+            return self.normalizer
+        if shard not in self._shard_norms:  # only a shard with video/proprio needs stats
+            self._shard_norms[shard] = _rollout_normalizer(self.groups[shard])
+        return self._shard_norms[shard]
+
+
+def _rollout_normalizer(g: Any) -> Normalizer:
+    """The normaliser of the policy that wrote the shard (its `policy_checkpoint` attr)."""
+    pdir = g.attrs.get("policy_checkpoint")
+    stats = Path(str(pdir)) / "stats.json" if pdir else None
+    if stats is None or not stats.is_file():
+        raise FileNotFoundError(
+            f"no normalisation stats for the store's video/proprio: pass a normalizer "
+            f"(the policy's stats.json); the store's policy_checkpoint is {pdir!r}"
+        )
+    return Normalizer.load(stats)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The learning-curve recipe (configs/rl_gpu.yaml) on a GPU box, started in the background.
+#
+#   bash scripts/rl_gpu.sh RUN_DIR [BUNDLE_DIR] [WHEEL_DIR]
+#   python3 scripts/rl_curve.py RUN_DIR          # progress: one row per iteration
+#
+# BUNDLE_DIR: the parts of `python scripts/libero_bundle.py build` (unpacked once to
+# /root/lb); WHEEL_DIR: wheels for what the box lacks (snakemake, zarr, ...), installed into
+# /root/site without an index. Where both are installed already, give RUN_DIR alone.
+# The code runs from a copy (RUN_DIR/.src), so editing the checkout cannot change a
+# running job. TARGETS (default: iteration 0's and the last iteration's eval) and
+# EXTRA_CONFIG (a YAML file merged over configs/rl_gpu.yaml) may be set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+run=$(realpath -m "$1")
+export PYTHONUNBUFFERED=1 MUJOCO_GL=egl COLUMNS=200
+if [[ $# -ge 2 ]]; then
+  [[ -d /root/lb/site ]] || python3 scripts/libero_bundle.py unpack "$2" /root/lb
+  # shellcheck disable=SC1091
+  source /root/lb/env.sh
+fi
+if [[ $# -ge 3 ]]; then
+  [[ -d /root/site/snakemake ]] || python3 -m pip install -q --no-index --no-deps --target /root/site "$3"/*.whl
+  export PYTHONPATH=/root/site:${PYTHONPATH:-}
+fi
+mkdir -p "$run"
+rsync -a --delete --exclude .git --exclude runs --exclude '.bundle' --exclude '.whl' --exclude '.gl' \
+  --exclude .venv ./ "$run/.src/" 2>/dev/null || { rm -rf "$run/.src"; mkdir -p "$run/.src"; \
+  tar --exclude=./.git --exclude=./runs --exclude=./.bundle --exclude=./.whl --exclude=./.gl \
+  --exclude=./.venv -cf - . | tar -xf - -C "$run/.src"; }
+export PYTHONPATH=$run/.src:${PYTHONPATH:-}
+# The Snakefile calls `wamrl`; where the package is not installed, a shim on PATH runs it.
+if ! command -v wamrl >/dev/null; then
+  mkdir -p "$run/.bin"
+  printf '#!/bin/sh\nexec python3 -m wamrl.cli "$@"\n' >"$run/.bin/wamrl"
+  chmod +x "$run/.bin/wamrl"
+  export PATH=$run/.bin:$PATH
+fi
+iters=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['pipeline']['iterations'])" configs/rl_gpu.yaml)
+targets=${TARGETS:-iter_000/eval.json $(printf 'iter_%03d/eval.json' "$iters")}
+extra=${EXTRA_CONFIG:+$(realpath "$EXTRA_CONFIG")}
+cd "$run"
+setsid nohup python3 -m snakemake --snakefile .src/Snakefile --cores "$(nproc)" --resources gpu=1 \
+  --configfile .src/configs/rl_gpu.yaml ${extra:+"$extra"} -- $targets >"$run/snakemake.log" 2>&1 &
+echo "started: $targets in $run (log: $run/snakemake.log)"
