@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A run's learning curve: one row per iteration, from what exists on disk (a run may still
-be going). Rollout success comes from the shard stores, the rest from the stages' JSON.
+be going). Rollout success comes from the shard stores (or reward.done where the stores
+are gone), the rest from the stages' JSON.
 
     python scripts/rl_curve.py RUN_DIR                       print the table
     python scripts/rl_curve.py RUN_DIR --out DIR [--plot]    + DIR/curve.json (+ curve.png)
@@ -68,9 +69,11 @@ def collect(run: Path) -> list[dict[str, Any]]:
     for it_dir in sorted(run.glob("iter_[0-9][0-9][0-9]")):
         it = int(it_dir.name[5:])
         row: dict[str, Any] = {"iteration": it}
+        done = _json(it_dir / "reward.done")
         if (it_dir / "rollouts").is_dir():
             row.update(rollout_row(it_dir))
-        done = _json(it_dir / "reward.done")
+        elif done:  # a shipped copy of a run (data/rl_object) keeps no stores
+            row.update(rollout_success=done["success_rate"], rollout_episodes=done["episodes"])
         if done:
             row.update(
                 {k: done.get(k) for k in ("groups_kept", "groups_total", "rec_advantage_share")}
@@ -87,6 +90,8 @@ def collect(run: Path) -> list[dict[str, Any]]:
                 actor_clip_fraction=ep[0].get("clip_fraction"),
                 actor_grad_norm=ep[0].get("grad_norm"),
                 actor_steps=actor.get("steps"),
+                actor_lr=actor.get("config", {}).get("actor", {}).get("lr"),
+                actor_minibatch=actor.get("config", {}).get("actor", {}).get("minibatch"),
                 logp_check_worst_share_of_tol=actor.get("logp_check", {}).get(
                     "logp_check_worst_share_of_tol"
                 ),
@@ -140,11 +145,12 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
 
     fig, (ax, kx) = plt.subplots(1, 2, figsize=(11, 4))
     ro = [r for r in rows if r.get("rollout_success") is not None]
+    # Iteration n's rollout runs policy n - 1: plot it where that policy is.
     ax.plot(
-        [r["iteration"] for r in ro],
+        [r["iteration"] - 1 for r in ro],
         [r["rollout_success"] for r in ro],
         "o-",
-        label="rollout (a = 0.5, 128 episodes)",
+        label=f"rollout (a = 0.5, {ro[0]['rollout_episodes']} episodes)" if ro else None,
     )
     ev = [r for r in rows if r.get("eval_success") is not None]
     if ev:
@@ -162,11 +168,24 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
             capsize=4,
             label=f"eval (a = 0, K = 20, n = {ev[-1]['eval_episodes']}, 95 % CI)",
         )
-    ax.set(xlabel="iteration", ylabel="success rate", ylim=(0, 1), title=title)
+    ax.set(xlabel="policy after iteration", ylabel="success rate", ylim=(0, 1), title=title)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     kl = [r for r in rows if r.get("actor_kl") is not None]
     kx.plot([r["iteration"] for r in kl], [r["actor_kl"] for r in kl], "o-")
+    for r in kl:
+        if r.get("actor_lr") is not None:
+            kx.annotate(
+                f"lr {r['actor_lr']:.1e}\nmb {r['actor_minibatch']}",
+                (r["iteration"], r["actor_kl"]),
+                textcoords="offset points",
+                xytext=(0, 8),
+                ha="center",
+                fontsize=7,
+            )
+    kx.margins(x=0.1, y=0.3)
+    kx.xaxis.get_major_locator().set_params(integer=True)
     kx.set(
         xlabel="iteration",
         ylabel="KL(pi_new || pi_old), per SDE step",

@@ -40,6 +40,8 @@ iters=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['p
 targets=${TARGETS:-iter_000/eval.json $(printf 'iter_%03d/eval.json' "$iters")}
 extra=${EXTRA_CONFIG:+$(realpath "$EXTRA_CONFIG")}
 cd "$run"
-setsid nohup python3 -m snakemake --snakefile .src/Snakefile --cores "$(nproc)" --resources gpu=1 \
+# No --resources gpu: on one GPU, the tiny model's world-model job runs beside reward and
+# actor (serialising them costs ~30 s per iteration). --rerun-incomplete: a restart resumes.
+setsid nohup python3 -m snakemake --snakefile .src/Snakefile --cores "$(nproc)" --rerun-incomplete \
   --configfile .src/configs/rl_gpu.yaml ${extra:+"$extra"} -- $targets >"$run/snakemake.log" 2>&1 &
 echo "started: $targets in $run (log: $run/snakemake.log)"

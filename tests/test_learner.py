@@ -280,8 +280,9 @@ def test_bf16_actor_path_matches_float32_within_tolerance(run_after_reward) -> N
     assert (bf16 - fp32).abs().max() < 0.5, (bf16 - fp32).abs().max()
     assert not torch.equal(bf16, fp32)  # autocast did act
     cfg = copy.deepcopy(cfg)
-    cfg["actor"].update(lr=1e-4, amp="bf16", logp_old="recompute")
-    opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=1e-4)
+    # lr 2e-5: a step inside the trust region (see test_actor_update_follows_advantage_sign).
+    cfg["actor"].update(lr=2e-5, amp="bf16", logp_old="recompute")
+    opt = torch.optim.Adam(policy.parameter_groups()["actor"], lr=2e-5)
     metrics = ppo.actor_update(policy, None, data, cfg, opt)
     # The gap to the rollout's fp32 log pi is reported; the ratio starts at 1 regardless.
     gap = metrics["logp_check"]["logp_check_max_abs_delta"]
@@ -291,6 +292,7 @@ def test_bf16_actor_path_matches_float32_within_tolerance(run_after_reward) -> N
         after = ppo._log_prob(policy, data, idx, "cpu")
     delta = (after - fp32).numpy()
     assert delta[data.adv > 0].mean() > 0 and delta[data.adv < 0].mean() < 0, delta
+    assert float((data.adv * delta).sum()) > 0  # the surrogate rose
 
 
 def test_nan_stops_actor_stage_before_writing(run_after_reward, monkeypatch) -> None:
