@@ -165,3 +165,15 @@ rule eval:
         gpu=GPU,
     shell:
         "{WAMRL} eval --iter {wildcards.it} --run-dir ."
+
+
+# `snakemake report_html`: the run's HTML report (wamrl report) once every eval of `all` is
+# done; `wamrl report .` also works any time on a run still going.
+rule report_html:
+    input:
+        every_eval(),
+    output:
+        "report/index.html",
+    localrule: True
+    shell:
+        "{WAMRL} report . --out report"

@@ -2,11 +2,13 @@
 # The learning-curve recipe (configs/rl_gpu.yaml) on a GPU box, started in the background.
 #
 #   bash scripts/rl_gpu.sh RUN_DIR [BUNDLE_DIR] [WHEEL_DIR]
-#   python3 scripts/rl_curve.py RUN_DIR          # progress: one row per iteration
+#   python3 -m wamrl.cli status RUN_DIR          # progress: one row per iteration
 #
 # BUNDLE_DIR: the parts of `python scripts/libero_bundle.py build` (unpacked once to
-# /root/lb); WHEEL_DIR: wheels for what the box lacks (snakemake, zarr, ...), installed into
-# /root/site without an index. Where both are installed already, give RUN_DIR alone.
+# /root/lb); WHEEL_DIR: `scripts/gpu_wheels.sh`'s wheels (snakemake, zarr, ...), installed
+# into /root/site without an index. Where both are installed already, give RUN_DIR alone.
+# The task contexts come from data/contexts (the box needs no text encoder). On the H200
+# with NVIDIA EGL, export __EGL_VENDOR_LIBRARY_FILENAMES (the device README says how).
 # The code runs from a copy (RUN_DIR/.src), so editing the checkout cannot change a
 # running job. TARGETS (default: iteration 0's and the last iteration's eval) and
 # EXTRA_CONFIG (a YAML file merged over configs/rl_gpu.yaml) may be set.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from wamrl import paths
+from wamrl import paths, tb
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.master import MasterWeightOptimizer
 from wamrl.ppo import (
@@ -93,3 +93,4 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         if masters:
             save_file(masters, str(tmp / "master.safetensors"))
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
+    tb.log_scalars(run_dir, "actor", iteration, lambda: tb.actor_scalars(metrics))

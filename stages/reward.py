@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from wamrl import paths
+from wamrl import paths, tb
 from wamrl.atomic import sha256_file, write_json
 from wamrl.reward import check_success_dominates, run_reward
 
@@ -62,3 +62,4 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     write_json(
         paths.reward_done(run_dir, iteration), {"iteration": iteration, **summary, "config": cfg}
     )
+    tb.log_scalars(run_dir, "reward", iteration, lambda: tb.reward_scalars(summary))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wamrl import paths
+from wamrl import paths, tb
 from wamrl.envs.tasks import tasks_in_suites
 from wamrl.plan import recent_success, rollout_plan, shard_specs
 from wamrl.runtime import pick_device, set_gl_backend
@@ -35,7 +35,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     from stages.reward import checkpoint_sha256
     from wamrl.envs.pool import EnvPool
     from wamrl.rollout import SamplerSettings, load_for_queries, run_episodes
-    from wamrl.store import ShardWriter
+    from wamrl.store import ShardWriter, read_episode_table
 
     if iteration < 1:
         raise ValueError("rollouts start at iteration 1 (iteration 0 is init)")
@@ -88,3 +88,10 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 device=device,
                 description=f"rollout iter {iteration} shard {worker}",
             )
+    shard = paths.shard_path(run_dir, iteration, worker)
+    tb.log_scalars(
+        run_dir,
+        f"rollout_w{worker:03d}",
+        iteration,
+        lambda: tb.rollout_scalars(read_episode_table(shard)),
+    )

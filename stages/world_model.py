@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from wamrl import paths
+from wamrl import paths, tb
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.conventions import Normalizer
 from wamrl.ppo import param_names
@@ -93,3 +93,4 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         _save_vector(tmp / "sigma_ref.safetensors", "sigma_ref", sigma_ref)
         _save_vector(tmp / "ema.safetensors", "sigma_theta", sigma_theta)
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
+    tb.log_scalars(run_dir, "world_model", iteration, lambda: tb.world_model_scalars(metrics))

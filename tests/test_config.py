@@ -89,3 +89,55 @@ def test_fastwam_bf16_weights_come_with_a_recomputed_log_pi_old() -> None:
         load_config([fastwam], {"actor.logp_old": "rollout"})
     cfg = load_config([fastwam], {"actor.logp_old": "rollout", "policy.fastwam.dtype": "float32"})
     assert cfg["actor"]["logp_old"] == "rollout"
+
+
+# default.yaml is sized for a first run on 2 CPU cores: short episodes, 1 eval episode on 2
+# tasks, 8 episodes per iteration. A config meant for a GPU or the real model that forgets to
+# override one of these scores near 0 and blames the checkpoint (issue 24).
+REAL_RUN_CONFIGS = {  # config -> whether it runs rollouts (base_gpu.yaml only trains and scores)
+    "fastwam.yaml": True,
+    "seed.yaml": True,
+    "rl_gpu.yaml": True,
+    "base_gpu.yaml": False,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_RUN_CONFIGS))
+def test_real_run_configs_inherit_no_toy_cap(name: str) -> None:
+    cfg = load_config([DEFAULT_CONFIG.parent / name])
+    env, ev, r = cfg["env"], cfg["eval"], cfg["rollout"]
+    toy = {
+        "env.max_macro_steps": env["max_macro_steps"] is not None,
+        "eval.max_macro_steps": ev["max_macro_steps"] is not None,
+        "eval.episodes_per_task": ev["episodes_per_task"] < 10,
+        "eval.tasks": ev["tasks"] is not None,
+        "rollout.groups x group_size": REAL_RUN_CONFIGS[name]
+        and r["groups"] * r["group_size"] < 128,
+    }
+    assert not [k for k, capped in toy.items() if capped], f"{name} keeps default.yaml's caps"
+
+
+def test_first_run_scores_tasks_the_base_solves_at_full_budgets() -> None:
+    """The embedded default's eval: full step budgets on tasks where the shipped base succeeds,
+    so the first run's table is not all zeros."""
+    import json
+
+    from wamrl.config import resolve_path
+    from wamrl.envs.tasks import load_tasks
+
+    cfg = load_config()
+    ev = cfg["eval"]
+    assert ev["max_macro_steps"] is None and ev["protocol"] == "wamrl"
+    assert ev["tasks"] and len(ev["tasks"]) * ev["episodes_per_task"] <= 2  # minutes on 2 cores
+    base = json.loads((resolve_path(cfg["policy"]["base_checkpoint"]) / "eval.json").read_text())
+    names = {t.index: t.name for t in load_tasks()}
+    assert all(base["tasks"][names[i]]["success_rate"] >= 0.8 for i in ev["tasks"])
+
+
+def test_env_msaa_is_a_key_off_by_default() -> None:
+    assert load_config()["env"]["msaa"] is False
+    assert load_config(overrides={"env.msaa": True})["env"]["msaa"] is True
+    with pytest.raises(ConfigError, match="env.msaa"):
+        load_config(overrides={"env.msaa": "yes"})
+    with pytest.raises(ConfigError, match="eval.protocol"):
+        load_config(overrides={"eval.protocol": "paper"})

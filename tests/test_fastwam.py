@@ -243,6 +243,43 @@ def test_sampler_a0_reproduces_official_infer_action(model, policy, K):
     assert float(ref.abs().max()) > 0.1  # not a trivially small output
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_official_protocol_reproduces_the_official_eval_queries(ns, dtype):
+    """eval.protocol official against Fast-WAM's eval loop, whose every query is
+    infer_action(num_inference_steps=10, seed=42) in the model dtype: two queries of one
+    episode (different observations) through stages/eval.py's protocol, rollout's per-query
+    noise and the sampler's scheduler dtype give the official actions."""
+    from stages.eval import episode_noise, resolve_protocol
+    from wamrl.envs.tasks import load_tasks
+    from wamrl.rollout import EpisodeSpec, _eval_noise, _Running
+    from wamrl.sampler import sample_chunk
+
+    over = {"eval.protocol": "official", "policy.fastwam.dtype": dtype}
+    protocol = resolve_protocol(load_config([FASTWAM_CONFIG], over))
+    assert (protocol.K, protocol.scheduler_dtype) == (10, dtype)
+    model = official_model(ns).to(getattr(torch, dtype))
+    pol = wrap(model, dtype=dtype)
+    seed, reseed = episode_noise(protocol, 1234, 0, 0)
+    spec = EpisodeSpec(load_tasks()[0], 0, 0, False, seed, reseed)
+    ep = _Running(0, spec, torch.Generator().manual_seed(seed))
+    for query in range(2):
+        obs = make_obs(seed=20 + query)
+        ref = model.infer_action(
+            prompt=None, input_image=obs.image[0], action_horizon=32, proprio=obs.proprio[0],
+            context=obs.context[0], context_mask=obs.context_mask[0], num_inference_steps=10,
+            seed=42,
+        )["action"]  # fmt: skip
+        with torch.no_grad():
+            res = sample_chunk(
+                pol, pol.prefill(obs), 1, protocol.K, 0.0, 5.0, None, x0=_eval_noise(ep)[None],
+                scheduler_dtype=getattr(torch, protocol.scheduler_dtype),
+            )  # fmt: skip
+        diff = float((res.chain[0, -1] - ref).abs().max())
+        print(f"official protocol {dtype}, query {query}: max abs diff {diff:.3g}")
+        assert diff <= (1e-5 if dtype == "float32" else 0.0)
+        assert float(ref.abs().max()) > 0.1
+
+
 def test_cached_velocity_equals_official_joint_forward(model, policy):
     """Our cache path vs the official uncached joint MoT pass (_predict_action_noise)."""
     obs = make_obs(b=2, seed=1)

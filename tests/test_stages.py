@@ -141,9 +141,14 @@ def test_eval_two_tasks_writes_contract_json(rollout_run):
     stages.eval.main(cfg, run, iteration=0)
     report = json.loads(paths.eval_json(run, 0).read_text())
     assert set(report) == {
-        "iteration", "checkpoint_sha256", "episodes_per_task", "tasks", "suites",
-        "average", "env_crashed", "wall_time_s", "first_query_s", "config",
+        "iteration", "checkpoint_sha256", "episodes_per_task", "protocol", "tasks", "suites",
+        "average", "env_crashed", "reference", "wall_time_s", "first_query_s", "config",
     }  # fmt: skip
+    assert report["protocol"] == {
+        "name": "wamrl", "K": 20, "noise": "per_episode", "msaa": False,
+        "episodes_per_task": 1, "max_macro_steps": 1, "scheduler_dtype": "float32",
+    }  # fmt: skip
+    assert report["reference"] is None  # micro.yaml starts from a fresh model
     assert 0 < report["first_query_s"] < report["wall_time_s"]
     assert report["env_crashed"] == 0
     assert report["iteration"] == 0 and report["episodes_per_task"] == 1

@@ -10,6 +10,8 @@
     wamrl merge   --iter 3              -> iter_003/policy
     wamrl eval    --iter 3              -> iter_003/eval.json
     wamrl inspect iter_003/rollouts/shard_000.zarr
+    wamrl report RUN_DIR [--out DIR]    curves, health, videos -> DIR/index.html
+    wamrl status RUN_DIR                one screen: stages done, KL, evals, the next job
     wamrl config                        print the resolved config (validated)
 
 Config: the run's resolved config (.wamrl/config.yaml in the run dir, written by the
@@ -119,6 +121,41 @@ def inspect(
     from wamrl.inspect import inspect_store
 
     raise typer.Exit(inspect_store(store, deep=not quick))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory (finished or still going)")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="output folder (default RUN_DIR/report)")
+    ] = None,
+    video_iter: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--video-iter",
+            help="iterations to cut episode videos from (repeatable; "
+            "default: the first and last with rollout stores)",
+        ),
+    ] = None,
+    videos: Annotated[int, typer.Option(help="successful and failed episodes per iteration")] = 2,
+) -> None:
+    """One self-contained HTML report of a run: curves, training health, per-task heatmap,
+    episode videos, stage timing -> OUT/index.html (+ PNGs, mp4s, report.json)."""
+    from wamrl.report import build_report
+
+    index = build_report(run_dir, out, video_iter, videos)
+    typer.echo(str(index))
+
+
+@app.command()
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory (finished or still going)")],
+) -> None:
+    """One screen on a run: per iteration the stages done, rollout success, groups kept,
+    the actor's KL and early stop, eval success; then the next job the DAG would run."""
+    from wamrl.status import print_status
+
+    print_status(run_dir)
 
 
 @app.command()

@@ -49,6 +49,9 @@ class EpisodeSpec:
     group: int
     record_video: bool = False
     noise_seed: int | None = None  # eval: x_0 drawn from this seed, so results are reproducible
+    # eval.protocol official: the generator is reseeded with noise_seed before every query, so
+    # every query starts from the same x_0 (Fast-WAM's eval: seed 42 at every infer_action)
+    reseed_each_query: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class SamplerSettings:
     amp: torch.dtype | None = None  # sampler.amp: autocast dtype of the model (log pi stays fp32)
     max_batch: int | None = None  # sampler.max_batch: most queries answered in one batch
     compile: bool = False  # sampler.compile: graphs record torch.compile'd layers
+    # x_k and the ODE step sizes in this dtype (a = 0 only): eval.protocol official on a bf16
+    # model, as Fast-WAM's infer_action; float32 otherwise
+    scheduler_dtype: torch.dtype = torch.float32
 
     @classmethod
     def from_config(
@@ -189,8 +195,9 @@ def query_chunks(
     with autocast(obs.image.device, sampler.amp):
         cache = policy.prefill(obs)
         return sample_chunk(
-            policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0
-        )
+            policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0,
+            scheduler_dtype=sampler.scheduler_dtype,
+        )  # fmt: skip
 
 
 def next_spec(todo_tasks: list[int], slot_task: int | None, busy_tasks: set[int]) -> int:
@@ -259,6 +266,7 @@ def run_episodes(
     t_start = time.perf_counter()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     capture = graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda"
+    capture = capture and sampler.scheduler_dtype == torch.float32  # graphs: float32 steps only
     largest = min(len(pool), sampler.max_batch or len(pool))
     if capture:
         graphed = GraphedSampler(
@@ -378,6 +386,14 @@ def run_episodes(
     return stats
 
 
+def _eval_noise(ep: _Running) -> torch.Tensor:
+    """x_0 [32, 7] of an eval episode's next query: the next draw of its generator, or with
+    reseed_each_query the first draw after reseeding, the same at every query."""
+    if ep.spec.reseed_each_query:
+        ep.generator.manual_seed(ep.spec.noise_seed)
+    return torch.randn(32, 7, generator=ep.generator)
+
+
 def _answer(
     policy: Policy,
     pool: EnvPool,
@@ -406,7 +422,7 @@ def _answer(
     ).to(device)
     x0 = None
     if all(ep.generator is not None for ep in eps):  # eval: per-episode reproducible noise
-        x0 = torch.stack([torch.randn(32, 7, generator=ep.generator) for ep in eps]).to(device)
+        x0 = torch.stack([_eval_noise(ep) for ep in eps]).to(device)
     if pad_to is not None and pad_to > len(eps):  # fixed_batch: the padding repeats row 0
         rows = torch.tensor([*range(len(eps)), *[0] * (pad_to - len(eps))], device=device)
         obs = Obs(obs.image[rows], obs.proprio[rows], obs.context[rows], obs.context_mask[rows])

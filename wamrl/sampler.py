@@ -31,6 +31,13 @@ def sigma_schedule(K: int, shift: float = 5.0) -> Tensor:
     return (shift * u / (1.0 + (shift - 1.0) * u)).float()
 
 
+def official_sigmas(K: int, shift: float = 5.0) -> Tensor:
+    """[K + 1] sigmas as Fast-WAM's `build_inference_schedule` makes them: phi of a float32
+    linspace, in float32 (sigma_schedule's float64 values can differ from these by an ulp)."""
+    u = torch.linspace(1.0, 0.0, K + 1, dtype=torch.float32)
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
 def ode_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
     return x + _bcast(sigma_next - sigma, x) * v
 
@@ -74,15 +81,23 @@ def sample_chunk(
     generator: torch.Generator | None,
     x0: Tensor | None = None,
     k_star: Tensor | None = None,
+    scheduler_dtype: torch.dtype = torch.float32,
 ) -> SampleResult:
     """Denoise a batch of chunks over a prefilled cache with the mixed sampler.
 
     a = 0 is the pure ODE sampler (evaluation): no step is stochastic, k* and logp are 0.
+    scheduler_dtype bf16 (a = 0 only; eval.protocol official on a bf16 model) holds x_k and
+    the step sizes in bf16, as Fast-WAM's `infer_action` does: x_{k+1} = x_k + v * delta in
+    bf16, sigmas from `official_sigmas`. The chain is returned in float32.
     """
     device = _device_of(policy)
     sigmas = sigma_schedule(K, shift).to(device)
     if x0 is None:
         x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator).to(device)
+    if scheduler_dtype != torch.float32:
+        if a > 0:  # log pi needs float32 SDE arithmetic (the bf16 ratio pitfall)
+            raise ValueError(f"scheduler_dtype {scheduler_dtype} needs a = 0, got a = {a}")
+        return _sample_ode_low_precision(policy, cache, batch, K, shift, x0, scheduler_dtype)
     if a > 0 and K < 2:
         raise ValueError(f"a > 0 needs K >= 2 (k* lies in 1..K-1, sigma_0 = 1), got K = {K}")
     if k_star is None:
@@ -111,6 +126,24 @@ def sample_chunk(
         x = x_next
         chain.append(x)
     return SampleResult(torch.stack(chain, 1), k_star, logp)
+
+
+def _sample_ode_low_precision(
+    policy: Policy, cache: Any, batch: int, K: int, shift: float, x0: Tensor, dtype: torch.dtype
+) -> SampleResult:
+    """The pure ODE chain of Fast-WAM's `infer_action` loop (sample_chunk's scheduler_dtype):
+    x_k, and the step sizes sigma_{k+1} - sigma_k computed in float32, held in `dtype`."""
+    device = _device_of(policy)
+    sigmas = official_sigmas(K, shift).to(device)
+    deltas = (sigmas[1:] - sigmas[:-1]).to(dtype)
+    x = x0.to(device=device, dtype=dtype)
+    chain = [x.float()]
+    for k in range(K):
+        v = policy.velocity(cache, x, sigmas[k].expand(batch))
+        x = x + v.to(dtype) * deltas[k]  # Fast-WAM's scheduler.step: sample + output * delta
+        chain.append(x.float())
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    return SampleResult(torch.stack(chain, 1), zeros, torch.zeros(batch, device=device))
 
 
 def recompute_mean_std(

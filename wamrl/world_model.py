@@ -144,6 +144,9 @@ def world_model_update(
     if len(batches) == 0:
         metrics["skipped"] = "no successful video-SFT episode with a full window: LoRA unchanged"
         return metrics, sigma_ref, sigma_theta
+    if int(wcfg["epochs"]) == 0:  # the "no world-model update" ablation
+        metrics["skipped"] = "world_model.epochs is 0: LoRA unchanged"
+        return metrics, sigma_ref, sigma_theta
 
     with torch.no_grad():  # the frozen iteration-0 model's features, once per window
         frozen.eval()
