@@ -6,7 +6,9 @@
 #
 # Config: configs/default.yaml, then --configfile files, then --config 'section={key: value}';
 # validated against configs/schema.yaml before any job. The resolved config is written to
-# .wamrl/config.yaml in the run directory, where every stage command reads it.
+# .wamrl/config.yaml in the run directory, where every stage command reads it. Every job
+# also keeps its output in logs/ (logs/iter_NNN/<rule>.log): Snakemake names that file when
+# a job fails, on a cluster too.
 import sys
 from pathlib import Path
 
@@ -68,16 +70,20 @@ rule init:
         base_inputs(CFG["policy"]["base_checkpoint"]),
     output:
         directory("iter_000/policy"),
+    log:
+        "logs/iter_000/init.log",
     shell:
-        "{WAMRL} init --run-dir ."
+        "{WAMRL} init --run-dir . 2>&1 | tee {log}"
 
 
 rule demos:
     output:
         directory("demos/shard_{w}.zarr"),
     threads: 1
+    log:
+        "logs/demos/shard_{w}.log",
     shell:
-        "{WAMRL} demos --worker {wildcards.w} --run-dir ."
+        "{WAMRL} demos --worker {wildcards.w} --run-dir . 2>&1 | tee {log}"
 
 
 rule sft:
@@ -88,8 +94,10 @@ rule sft:
         "sft/log.json",
     resources:
         gpu=GPU,
+    log:
+        "logs/sft.log",
     shell:
-        "{WAMRL} sft --run-dir ."
+        "{WAMRL} sft --run-dir . 2>&1 | tee {log}"
 
 
 rule rollout:
@@ -100,8 +108,10 @@ rule rollout:
     threads: CFG["rollout"]["envs_per_worker"]
     resources:
         gpu=GPU,
+    log:
+        "logs/iter_{it}/rollout_{w}.log",
     shell:
-        "{WAMRL} rollout --iter {wildcards.it} --worker {wildcards.w} --run-dir ."
+        "{WAMRL} rollout --iter {wildcards.it} --worker {wildcards.w} --run-dir . 2>&1 | tee {log}"
 
 
 rule reward:
@@ -113,8 +123,10 @@ rule reward:
         "iter_{it}/reward.done",
     resources:
         gpu=GPU,
+    log:
+        "logs/iter_{it}/reward.log",
     shell:
-        "{WAMRL} reward --iter {wildcards.it} --run-dir ."
+        "{WAMRL} reward --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
 
 
 rule actor:
@@ -125,9 +137,11 @@ rule actor:
     output:
         directory("iter_{it}/actor"),
     resources:
-        gpu=GPU,
+        gpu=GPU * CFG["actor"]["devices"],  # actor.devices data-parallel ranks, a GPU each
+    log:
+        "logs/iter_{it}/actor.log",
     shell:
-        "{WAMRL} actor --iter {wildcards.it} --run-dir ."
+        "{WAMRL} actor --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
 
 
 rule world_model:
@@ -140,8 +154,10 @@ rule world_model:
         directory("iter_{it}/world_model"),
     resources:
         gpu=GPU,
+    log:
+        "logs/iter_{it}/world_model.log",
     shell:
-        "{WAMRL} world-model --iter {wildcards.it} --run-dir ."
+        "{WAMRL} world-model --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
 
 
 rule merge:
@@ -151,8 +167,10 @@ rule merge:
         policy=lambda wc: policy_of(prev(wc)),
     output:
         directory("iter_{it,(?!000)\\d{3}}/policy"),
+    log:
+        "logs/iter_{it}/merge.log",
     shell:
-        "{WAMRL} merge --iter {wildcards.it} --run-dir ."
+        "{WAMRL} merge --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
 
 
 rule eval:
@@ -163,8 +181,10 @@ rule eval:
     threads: CFG["eval"]["envs"]
     resources:
         gpu=GPU,
+    log:
+        "logs/iter_{it}/eval.log",
     shell:
-        "{WAMRL} eval --iter {wildcards.it} --run-dir ."
+        "{WAMRL} eval --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
 
 
 # `snakemake report_html`: the run's HTML report (wamrl report) once every eval of `all` is
@@ -175,5 +195,7 @@ rule report_html:
     output:
         "report/index.html",
     localrule: True
+    log:
+        "logs/report.log",
     shell:
-        "{WAMRL} report . --out report"
+        "{WAMRL} report . --out report 2>&1 | tee {log}"

@@ -9,6 +9,11 @@ master.safetensors (float32 master weights of the actor tensors stored in a lowe
 e.g. bf16 on `fastwam`; absent when all are float32). The next iteration restores a master
 when it rounds to exactly the merged checkpoint's weight, so updates smaller than a bf16
 ulp keep accumulating across iterations instead of being cut off at each merge.
+
+actor.devices = N > 1: N processes (wamrl.distributed: gloo on CPU; on CUDA nccl, a GPU
+per rank from distributed.pick_devices) each load the inputs and run the same data-parallel
+update (ppo.actor_update splits every minibatch over the ranks and all-reduces gradients
+and statistics); rank 0 alone writes actor/ and the TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from wamrl import paths, tb
+from wamrl import distributed, paths, tb
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.master import MasterWeightOptimizer
 from wamrl.ppo import (
@@ -30,19 +35,35 @@ from wamrl.ppo import (
     optimizer_to_tensors,
     param_names,
 )
-
-
-def _device(cfg: dict[str, Any]) -> str:
-    d = str(cfg.get("device", "cpu"))
-    return ("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d
+from wamrl.runtime import pick_device
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
+    n = int(cfg["actor"].get("devices", 1))
+    if n > 1:
+        devices = distributed.pick_devices(cfg, n, "actor")
+        distributed.launch(_rank_main, devices, cfg, Path(run_dir), iteration)
+    else:
+        _run(cfg, Path(run_dir), iteration, pick_device(cfg, "actor"))
+
+
+def _rank_main(
+    rank: int, device: torch.device, cfg: dict[str, Any], run_dir: Path, iteration: int
+) -> None:
+    """One rank of actor.devices (inside wamrl.distributed.launch's process group)."""
+    _run(cfg, run_dir, iteration, device, write=rank == 0)
+
+
+def _run(
+    cfg: dict[str, Any],
+    run_dir: Path,
+    iteration: int,
+    device: torch.device | str,
+    write: bool = True,
+) -> None:
     from wamrl.policy import load_policy
     from wamrl.policy.text import load_contexts
 
-    run_dir = Path(run_dir)
-    device = _device(cfg)
     done = json.loads(paths.reward_done(run_dir, iteration).read_text())
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
     policy = load_policy(prev_dir, device=device)
@@ -81,6 +102,9 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     metrics["optimizer_state_restored_params"] = restored
     metrics["master_weights_params"] = opt.num_masters
     metrics["master_weights_restored_params"] = masters_restored
+    metrics["devices"] = distributed.world_size()
+    if not write:
+        return
 
     state = policy.state_dict()
     actor_tensors = {n: state[n].detach().cpu().contiguous() for n in names}

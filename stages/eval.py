@@ -170,7 +170,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         scheduler_dtype=getattr(torch, protocol.scheduler_dtype),
     )
     env_cfg = {**cfg["env"], "msaa": protocol.msaa}
-    device = pick_device(cfg)
+    device = pick_device(cfg, "eval")
     torch.set_num_threads(1)
     results: list[tuple[int, bool, bool]] = []
     videos: dict[int, np.ndarray] = {}

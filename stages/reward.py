@@ -11,16 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from wamrl import paths, tb
 from wamrl.atomic import sha256_file, write_json
 from wamrl.reward import check_success_dominates, run_reward
-
-
-def _device(cfg: dict[str, Any]) -> str:
-    d = str(cfg.get("device", "cpu"))
-    return ("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d
+from wamrl.runtime import pick_device
 
 
 def checkpoint_sha256(policy_dir: Path) -> str:
@@ -49,7 +43,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     if iteration < 1:
         raise ValueError("the reward stage runs for iterations >= 1 (iteration 0 is init)")
     run_dir = Path(run_dir)
-    device = _device(cfg)
+    device = pick_device(cfg, "reward")
     kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
     shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
     # A reward that lets reconstruction outweigh success stops here: no model load, no write.

@@ -51,7 +51,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     success = recent_success(run_dir, iteration, candidates)
     specs = shard_specs(rollout_plan(cfg, iteration, candidates, success), worker, W)
     T, Tv = episode_limits(cfg, [s.task for s in specs])
-    device = pick_device(cfg)
+    device = pick_device(cfg, "rollout")
     torch.set_num_threads(1)  # the cores belong to the env processes
     s = cfg["sampler"]
     attrs = {

@@ -45,7 +45,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
         cfg["policy"]["tiny"]["text_max_len"],
         run_dir / "context",
     )
-    device = pick_device(cfg)
+    device = pick_device(cfg, "sft")
     torch.manual_seed(cfg["seed"])
     policy = build_policy(cfg).to(device)
     batches = Batches(demos, norm, context, mask, device, cfg["sft"]["augment_shift"])

@@ -20,12 +20,8 @@ from wamrl import paths, tb
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.conventions import Normalizer
 from wamrl.ppo import param_names
+from wamrl.runtime import pick_device
 from wamrl.world_model import WindowBatches, list_windows, world_model_update
-
-
-def _device(cfg: dict[str, Any]) -> str:
-    d = str(cfg.get("device", "cpu"))
-    return ("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d
 
 
 def _load_vector(path: Path, key: str) -> torch.Tensor | None:
@@ -47,7 +43,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     from wamrl.policy.text import load_contexts
 
     run_dir = Path(run_dir)
-    device = _device(cfg)
+    device = pick_device(cfg, "world_model")
     wcfg = cfg["world_model"]
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
     policy = load_policy(prev_dir, device=device)

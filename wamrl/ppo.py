@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from wamrl import distributed
 from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.base import Obs, Policy
 from wamrl.runtime import AMP_DTYPES, autocast
@@ -184,21 +185,29 @@ def learner_pass(
     limit: int | None = None,
 ) -> LearnerPass:
     """log pi, mu and std of the first `limit` (default all) stored steps on the current
-    weights, no grad; a non-finite log pi fails, naming its step."""
+    weights, no grad; a non-finite log pi fails, naming its step.
+
+    In a process group of W > 1 ranks (wamrl.distributed) each rank computes a contiguous
+    1/W of the steps and the arrays are summed over the ranks (zeros elsewhere), so every
+    rank returns the whole pass."""
     from wamrl import sampler
 
     n = len(data) if limit is None else min(limit, len(data))
-    logp = np.empty(n, np.float64)
-    mu = np.empty((n, *data.x_k.shape[1:]), np.float32)
-    std = np.empty(n, np.float32)
+    world = distributed.world_size()
+    rows = np.arange(n) if world == 1 else np.array_split(np.arange(n), world)[distributed.rank()]
+    logp = np.zeros(n, np.float64)
+    mu = np.zeros((n, *data.x_k.shape[1:]), np.float32)
+    std = np.zeros(n, np.float32)
     with torch.no_grad():
-        for start in range(0, n, batch):
-            idx = np.arange(start, min(start + batch, n))
+        for start in range(0, len(rows), batch):
+            idx = rows[start : start + batch]
             m, s = _transition(policy, data, idx, device, amp)
             lp = sampler.gaussian_log_prob(data.tensor("x_next", idx, device).float(), m, s)
             logp[idx] = lp.double().cpu().numpy()
             mu[idx] = m.cpu().numpy()
             std[idx] = s.flatten(1)[:, 0].cpu().numpy()
+    if world > 1:
+        logp, mu, std = distributed.all_reduce_arrays([logp, mu, std], device)
     bad = np.flatnonzero(~np.isfinite(logp))
     if len(bad):
         raise LogProbMismatchError(
@@ -320,11 +329,21 @@ def actor_update(
     Raises LogProbMismatchError before touching the weights if log pi_old is not
     reproduced, and NonFiniteError on any NaN/Inf in loss, gradients or parameters.
     Returns {"logp_check": ..., "epochs": [per-epoch metrics], "kl": ..., ...}.
+
+    Data parallel (a torch.distributed process group of W > 1 ranks, wamrl.distributed):
+    every rank draws the same permutation and takes a contiguous 1/W of each minibatch;
+    its parts' losses are weighted by len(part) / len(minibatch), so the all-reduced SUM
+    of the gradients is the one-process minibatch mean. Loss and stats (the KL of the
+    early stop included) are all-reduced the same way, so grad clipping, the stop and the
+    optimizer step are identical on every rank and equal one process's within float
+    rounding. The learner passes before and after (log pi_old, the final KL) are split over
+    the ranks and summed (learner_pass). Without a process group nothing here changes.
     """
     from wamrl import sampler
 
     acfg = cfg["actor"]
     params = [p for p in policy.parameter_groups()["actor"] if p.requires_grad]
+    rank, world = distributed.rank(), distributed.world_size()
     metrics: dict[str, Any] = {
         "steps": len(data),
         "groups_kept": data.groups_kept,
@@ -343,6 +362,10 @@ def actor_update(
     amp = AMP_DTYPES[acfg.get("amp")]
     target_kl = acfg.get("target_kl")
     ref_kl = float(acfg["ref_kl"])
+    # The stats' keys in one-process order (a rank with an empty share computes none).
+    stat_keys = ["policy_loss", "clip_fraction", "approx_kl", "ratio_mean", "kl"]
+    if ref_policy is not None and ref_kl != 0.0:
+        stat_keys.insert(0, "ref_kl")
     if acfg.get("logp_old", "rollout") == "recompute":
         # The ratio's denominator is the learner's own log pi on the unchanged weights, in
         # the update's precision, so it starts at 1 even when the rollout ran in bf16; the
@@ -369,7 +392,9 @@ def actor_update(
             optimizer.zero_grad(set_to_none=True)
             # The minibatch mean, as a weighted sum of its parts' means (loss and stats).
             loss_sum, stats = 0.0, dict[str, float]()
-            for part in np.split(idx, range(micro, len(idx), micro)):
+            mine = idx if world == 1 else np.array_split(idx, world)[rank]
+            parts = np.split(mine, range(micro, len(mine), micro)) if len(mine) else []
+            for part in parts:
                 weight = len(part) / len(idx)
                 mu, std = _transition(policy, data, part, device, amp)
                 x_next = data.tensor("x_next", part, device).float()
@@ -401,6 +426,12 @@ def actor_update(
                 loss_sum += weight * float(loss.detach())
                 for k, v in part_stats.items():
                     stats[k] = stats.get(k, 0.0) + weight * v
+            if world > 1:  # the minibatch's mean over all ranks' parts
+                summed = distributed.all_reduce_sum(
+                    [loss_sum, *(stats.get(k, 0.0) for k in stat_keys)], device
+                )
+                loss_sum, stats = summed[0], dict(zip(stat_keys, summed[1:], strict=True))
+                distributed.all_reduce_grads(params, device)
             if epoch == 0 and start == 0:
                 # Parameters used only inside the no_grad cache (e.g. an encoder that feeds
                 # prefill) get no gradient here; report how many so it is not silent.
