@@ -94,3 +94,14 @@ def test_pick_device_cuda_without_a_gpu_fails_clearly(monkeypatch, device) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="no CUDA device"):
         runtime.pick_device({"device": device})
+
+
+def test_pick_device_under_slurm_takes_the_assigned_gpu_without_a_lock(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("WAMRL_GPU", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(runtime, "gpu_slot_dir", lambda: tmp_path)
+    assert runtime.pick_device({"device": "cuda"}, "rollout") == torch.device("cuda:0")
+    assert not list(tmp_path.iterdir())  # no lock taken

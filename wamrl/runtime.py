@@ -98,6 +98,10 @@ def pick_device(cfg: dict[str, Any], stage: str = "stage") -> torch.device:
         raise RuntimeError("config device is 'cuda' but torch sees no CUDA device")
     elif "WAMRL_GPU" in os.environ:
         device, why = torch.device(f"cuda:{int(os.environ['WAMRL_GPU'])}"), "WAMRL_GPU"
+    elif "SLURM_JOB_ID" in os.environ or "KUBERNETES_SERVICE_HOST" in os.environ:
+        # The scheduler gave this job its own GPUs (CUDA_VISIBLE_DEVICES); a node-local lock
+        # keyed by the visible index would make two jobs on different GPUs wait for each other.
+        device, why = torch.device("cuda:0"), "assigned by the scheduler"
     else:
         if _SLOT_LOCK is None:  # a second call in one process keeps its GPU
             per_gpu = int(cfg.get("jobs_per_gpu", 1))
