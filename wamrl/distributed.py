@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,10 +61,10 @@ def pick_devices(cfg: dict[str, Any], n: int, stage: str = "actor") -> list[torc
             f"{os.environ.get('WAMRL_GPU', 0)}) but torch sees {torch.cuda.device_count()} "
             "CUDA device(s) (CUDA_VISIBLE_DEVICES)"
         )
-    elif "WAMRL_GPU" in os.environ or not hasattr(runtime, "acquire_gpu_slot"):
-        first = int(os.environ.get("WAMRL_GPU", 0))
+    elif "WAMRL_GPU" in os.environ:
+        first = int(os.environ["WAMRL_GPU"])
         devices = [torch.device(f"cuda:{first + r}") for r in range(n)]
-        why = "WAMRL_GPU" if "WAMRL_GPU" in os.environ else "cuda:0..n-1"
+        why = "WAMRL_GPU"
     else:
         while len(_SLOT_LOCKS) < n:  # one whole GPU per rank: its first slot
             _SLOT_LOCKS.append(
@@ -73,14 +72,7 @@ def pick_devices(cfg: dict[str, Any], n: int, stage: str = "actor") -> list[torc
             )
         devices = [torch.device(f"cuda:{i}") for i, _ in _SLOT_LOCKS[:n]]
         why = "slot locks " + ", ".join(f.name for _, f in _SLOT_LOCKS[:n])
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    print(
-        f"wamrl {stage}: {n} ranks on {', '.join(map(str, devices))} ({why}"
-        + (f"; CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "")
-        + ")",
-        file=sys.stderr,
-        flush=True,
-    )
+    runtime.say_device(stage, f"{n} ranks on {', '.join(map(str, devices))}", why)
     return devices
 
 

@@ -108,15 +108,15 @@ def pick_device(cfg: dict[str, Any], stage: str = "stage") -> torch.device:
             _SLOT_LOCK = acquire_gpu_slot(torch.cuda.device_count(), gpu_slot_dir(), per_gpu)
         index, lock = _SLOT_LOCK
         device, why = torch.device(f"cuda:{index}"), f"slot lock {lock.name}"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    print(
-        f"wamrl {stage}: device {device} ({why}"
-        + (f"; CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "")
-        + ")",
-        file=sys.stderr,
-        flush=True,
-    )
+    say_device(stage, f"device {device}", why)
     return device
+
+
+def say_device(stage: str, what: str, why: str) -> None:
+    """The stage log's line on the device(s) a job took, and why (stderr)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    extra = f"; CUDA_VISIBLE_DEVICES={visible}" if visible is not None else ""
+    print(f"wamrl {stage}: {what} ({why}{extra})", file=sys.stderr, flush=True)
 
 
 def set_gl_backend(cfg: dict[str, Any]) -> None:
