@@ -25,19 +25,21 @@ from wamrl import advantages as A
 from wamrl.policy.base import Obs, Policy
 
 NUM_FUTURE = 2  # offsets +4 and +8
-IMAGINE_CHUNK = 16  # macro-steps per imagine() call; fixed so reruns batch identically
 
 
 def step_seed(base: int, shard: int, episode: int, step: int) -> int:
-    """A stable 63-bit seed per (shard, episode, first step of the chunk)."""
+    """A stable 63-bit seed per (shard, episode, step): the first step of an imagine batch."""
     h = hashlib.sha256(f"wamrl-reward/{base}/{shard}/{episode}/{step}".encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def images_to_model(x: np.ndarray) -> Tensor:
-    """uint8 [..., H, W, 3] -> float32 [..., 3, H, W] in [-1, 1] (x * 2 / 255 - 1)."""
-    t = torch.from_numpy(np.ascontiguousarray(x)).float() * (2.0 / 255.0) - 1.0
-    return t.movedim(-1, -3)
+def images_to_model(x: np.ndarray | Tensor) -> Tensor:
+    """uint8 [..., H, W, 3] -> float32 [..., 3, H, W] in [-1, 1] (x * 2 / 255 - 1).
+
+    A tensor is converted where it lies: move uint8 to the GPU first (a quarter of the
+    bytes, no CPU float pass)."""
+    t = x if isinstance(x, Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    return (t.float() * (2.0 / 255.0) - 1.0).movedim(-1, -3)
 
 
 def open_rollout(path: Path) -> zarr.Group:
@@ -51,6 +53,26 @@ def open_rollout(path: Path) -> zarr.Group:
     return zarr.open_group(str(path), mode="r")
 
 
+def imagine_batches(valid: np.ndarray, batch: int) -> list[np.ndarray]:
+    """The shard's valid (episode, step) pairs, episode-major, cut into batches of `batch`:
+    [n, 2] int arrays. A function of the valid mask alone, so a rerun batches identically."""
+    pairs = np.argwhere(valid)  # row-major: episode-major, steps ascending
+    return [pairs[i : i + batch] for i in range(0, len(pairs), batch)]
+
+
+def _read_batch(g: zarr.Group, pairs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """image [B, H, W, 3] u8, proprio [B, 8] f32, frames [B, 2, H, W, 3] u8 for (e, t) pairs,
+    one contiguous read per episode in the batch."""
+    image, proprio, frames = [], [], []
+    for e in np.unique(pairs[:, 0]):
+        ts = pairs[pairs[:, 0] == e, 1]
+        lo, hi = int(ts[0]), int(ts[-1]) + 1  # valid steps are a prefix: contiguous
+        image.append(np.asarray(g["step/image"][e, lo:hi]))
+        proprio.append(np.asarray(g["step/proprio"][e, lo:hi], dtype=np.float32))
+        frames.append(np.asarray(g["step/frames"][e, lo:hi]))
+    return np.concatenate(image), np.concatenate(proprio), np.concatenate(frames)
+
+
 @torch.no_grad()
 def reconstruction_rewards(
     policy: Policy,
@@ -61,48 +83,47 @@ def reconstruction_rewards(
     imagine_steps: int,
     seed: int,
     device: torch.device | str = "cpu",
+    batch: int = 64,
 ) -> np.ndarray:
     """r^rec [E, T] for one shard: -mean((imagined - rendered)^2) over both future frames.
 
-    Imagination is batched per episode in chunks of IMAGINE_CHUNK valid steps, each with
-    its own generator seeded from (seed, shard, episode, first step), so a rerun on the
-    same store (or a run that skips other shards) reproduces the arrays exactly.
-    0 on padding. g: the shard's root group (open_rollout(path)).
+    Imagination runs over the shard's valid steps in batches of `batch` (across episodes:
+    imagine_batches), each with its own generator seeded from (seed, shard, its first
+    episode and step), so a rerun on the same store with the same batch (or a run that skips
+    other shards) reproduces the arrays exactly. The next batch is read and decompressed
+    while the device imagines this one. 0 on padding. g: open_rollout(path).
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     valid = np.asarray(g["step/valid"][:], dtype=bool)
-    task = np.asarray(g["episode/task"][:], dtype=np.int64)
-    E, T = valid.shape
-    r_rec = np.zeros((E, T), dtype=np.float32)
-    image, proprio, frames = g["step/image"], g["step/proprio"], g["step/frames"]
+    task = torch.as_tensor(np.asarray(g["episode/task"][:], dtype=np.int64))
+    r_rec = np.zeros(valid.shape, dtype=np.float32)
+    batches = imagine_batches(valid, batch)
     policy.eval()
-    for e in range(E):
-        steps = np.flatnonzero(valid[e])
-        if steps.size == 0:
-            continue
-        lo, hi = int(steps[0]), int(steps[-1]) + 1  # one contiguous read per episode
-        img_e = np.asarray(image[e, lo:hi])
-        prop_e = np.asarray(proprio[e, lo:hi], dtype=np.float32)
-        fr_e = np.asarray(frames[e, lo:hi])
-        for c in range(0, steps.size, IMAGINE_CHUNK):
-            ts = steps[c : c + IMAGINE_CHUNK]
-            rel = ts - lo
-            B = ts.size
+    with ThreadPoolExecutor(1) as reader:
+        pending = reader.submit(_read_batch, g, batches[0]) if batches else None
+        for i, pairs in enumerate(batches):
+            img, prop, fr = pending.result()  # type: ignore[union-attr]
+            if i + 1 < len(batches):
+                pending = reader.submit(_read_batch, g, batches[i + 1])
+            t = task[pairs[:, 0]]
             obs = Obs(
-                image=images_to_model(img_e[rel]).to(device),
-                proprio=torch.from_numpy(prop_e[rel]).to(device),
-                context=context[task[e]].expand(B, *context.shape[1:]).to(device),
-                context_mask=context_mask[task[e]].expand(B, *context_mask.shape[1:]).to(device),
+                image=images_to_model(torch.from_numpy(img).to(device)),
+                proprio=torch.from_numpy(prop).to(device),
+                context=context[t].to(device),
+                context_mask=context_mask[t].to(device),
             )
-            gen = torch.Generator(device=device).manual_seed(step_seed(seed, shard, e, int(ts[0])))
+            e0, t0 = (int(v) for v in pairs[0])
+            gen = torch.Generator(device=device).manual_seed(step_seed(seed, shard, e0, t0))
             imagined = policy.imagine(obs, NUM_FUTURE, steps=imagine_steps, generator=gen).float()
-            target = images_to_model(fr_e[rel]).to(device)  # [B, 2, 3, H, W]
+            target = images_to_model(torch.from_numpy(fr).to(device))  # [B, 2, 3, H, W]
             if imagined.shape != target.shape:
                 raise ValueError(
                     f"imagined frames {tuple(imagined.shape)} do not match the stored "
-                    f"step/frames {tuple(target.shape)} (shard {shard}, episode {e})"
+                    f"step/frames {tuple(target.shape)} (shard {shard}, episode {e0})"
                 )
             mse = ((imagined - target) ** 2).flatten(1).mean(dim=1)
-            r_rec[e, ts] = (-mse).cpu().numpy()
+            r_rec[pairs[:, 0], pairs[:, 1]] = (-mse).cpu().numpy()
     return r_rec
 
 
@@ -318,6 +339,7 @@ def run_reward(
             int(rcfg["imagine_steps"]),
             int(cfg["seed"]),
             device,
+            int(rcfg["imagine_batch"]),
         )
         inputs.append(read_inputs(g, r_rec))
     result = compute_advantages(inputs, rcfg)
