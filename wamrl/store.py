@@ -538,6 +538,33 @@ def read_episode_table(store: str | Path | zarr.Group) -> dict[str, np.ndarray]:
     return table
 
 
+def read_plan_table(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(episode/task, episode/success, episode/env_crashed) of a complete store, without
+    validating the whole store (the next iteration's plan needs only these): a missing,
+    half-written or corrupt store raises StoreError naming it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise StoreError(f"{path}: no episode store there")
+    try:
+        root = zarr.open_group(str(path), mode="r", zarr_format=3)
+    except Exception as e:
+        raise StoreError(f"{path}: cannot open the episode store: {type(e).__name__}: {e}") from e
+    if root.attrs.get("complete") is not True:
+        raise StoreError(f"{path}: store is half-written (no `complete` attribute)")
+    return tuple(  # type: ignore[return-value]
+        read_array(root, f"episode/{n}", path) for n in ("task", "success", "env_crashed")
+    )
+
+
+def read_array(root: zarr.Group, name: str, path: str | Path, sel: Any = slice(None)) -> np.ndarray:
+    """root[name][sel], a read error (missing chunk, checksum mismatch) as a StoreError
+    naming the store and the array."""
+    try:
+        return np.asarray(root[name][sel])
+    except Exception as e:
+        raise StoreError(f"{path}: array {name}: unreadable: {type(e).__name__}: {e}") from e
+
+
 def load_steps(
     store: str | Path | zarr.Group,
     names: Sequence[str],
