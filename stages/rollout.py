@@ -33,7 +33,7 @@ def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> None:
     set_gl_backend(cfg)
-    from stages.reward import checkpoint_sha256
+    from wamrl.artifact import checkpoint_sha256
     from wamrl.envs.pool import EnvPool
     from wamrl.rollout import SamplerSettings, load_for_queries, run_episodes
     from wamrl.store import ShardWriter, read_episode_table

@@ -128,3 +128,140 @@ def test_a_store_from_before_checksums_is_unchecked_not_invalid(
     console, buf = _console()
     assert inspect_store(old, console) == 0
     assert "unchecked" in buf.getvalue() and "valid" in buf.getvalue()
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def _policy_dir(tmp_path: Path) -> Path:
+    """A tiny policy directory as init writes one: weights, contexts, stats, checkpoint.json."""
+    import shutil
+
+    from wamrl.artifact import checkpoint_hashes
+    from wamrl.atomic import write_json
+    from wamrl.config import load_config, resolve_path
+    from wamrl.policy import build_policy
+    from wamrl.policy.text import save_contexts
+
+    cfg = load_config([Path(__file__).parent / "micro.yaml"])
+    torch.manual_seed(0)
+    d = tmp_path / "policy"
+    build_policy(cfg).save(d)
+    save_contexts(d / "context.safetensors", ["a", "b"], torch.randn(2, 3, 4), torch.ones(2, 3))
+    shutil.copy(resolve_path(cfg["policy"]["stats"]), d / "stats.json")
+    write_json(d / "checkpoint.json", {**checkpoint_hashes(d), "iteration": 0})
+    return d
+
+
+def _flip_tensor_data(f: Path) -> None:
+    """Flip 64 bytes in the tensor data (after the JSON header): the file still loads."""
+    header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+    _flip(f, at=header + 1000, n=64)
+
+
+def test_load_policy_verifies_the_recorded_sha256(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from wamrl.artifact import ArtifactError
+    from wamrl.policy import load_policy
+
+    d = _policy_dir(tmp_path)
+    record = json_of(d / "checkpoint.json")
+    assert set(record["files"]) == {"context.safetensors", "policy.yaml", "stats.json"}
+    load_policy(d)  # intact: loads
+    _flip_tensor_data(d / "model.safetensors")
+    load_file(str(d / "model.safetensors"))  # safetensors alone sees nothing wrong
+    with pytest.raises(ArtifactError, match=r"policy/model.safetensors: sha256 .* differs"):
+        load_policy(d)
+
+
+def test_every_recorded_file_is_verified(tmp_path: Path) -> None:
+    from wamrl.artifact import ArtifactError, MissingArtifact
+    from wamrl.policy import load_policy
+
+    d = _policy_dir(tmp_path)
+    stats = (d / "stats.json").read_text()
+    (d / "stats.json").write_text(stats.replace("0", "1", 1))
+    with pytest.raises(ArtifactError, match=r"policy/stats.json: sha256"):
+        load_policy(d)
+    (d / "stats.json").unlink()
+    with pytest.raises(
+        MissingArtifact, match=r"stats.json: recorded in checkpoint.json but missing"
+    ):
+        load_policy(d)
+
+
+def json_of(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("garbage", ["{ not json", "", '{"state": 1'])
+def test_a_bad_json_artifact_is_named(tmp_path: Path, garbage: str) -> None:
+    """stats.json, eval.json, reward.done, checkpoint.json: the consumer's error names the file."""
+    from stages.eval import reference_rates
+    from wamrl.artifact import ArtifactError, checkpoint_sha256, read_json
+    from wamrl.config import load_config
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.tasks import load_tasks
+
+    for name in ("stats.json", "eval.json", "reward.done", "checkpoint.json"):
+        (tmp_path / name).write_text(garbage)
+    with pytest.raises(
+        ArtifactError, match=r"stats.json \(normalisation statistics\): not readable"
+    ):
+        Normalizer.load(tmp_path / "stats.json")
+    cfg = load_config(overrides={"policy": {"base_checkpoint": str(tmp_path)}})
+    with pytest.raises(ArtifactError, match=r"eval.json .*: not readable JSON"):
+        reference_rates(cfg, load_tasks()[:2])
+    with pytest.raises(ArtifactError, match=r"reward.done: not readable JSON"):
+        read_json(tmp_path / "reward.done")
+    with pytest.raises(ArtifactError, match=r"checkpoint.json .*: not readable JSON"):
+        checkpoint_sha256(tmp_path)
+
+
+def test_actor_stage_names_a_damaged_reward_done(tmp_path: Path) -> None:
+    import stages.actor
+    from wamrl import paths
+    from wamrl.artifact import ArtifactError
+    from wamrl.config import load_config
+
+    paths.reward_done(tmp_path, 1).parent.mkdir(parents=True)
+    paths.reward_done(tmp_path, 1).write_text('{"groups_kept": 1')  # cut short
+    with pytest.raises(ArtifactError, match=r"iter_001/reward.done .*not readable JSON"):
+        stages.actor.main(load_config(), tmp_path, 1)
+    paths.reward_done(tmp_path, 1).write_text('{"iteration": 1}')
+    with pytest.raises(ArtifactError, match=r"reward.done .*lacks key\(s\) \['groups_kept'"):
+        stages.actor.main(load_config(), tmp_path, 1)
+
+
+def test_a_damaged_safetensors_header_is_named(tmp_path: Path) -> None:
+    from wamrl.artifact import ArtifactError
+    from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
+
+    d = _policy_dir(tmp_path)
+    ctx = d / "context.safetensors"
+    ctx.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage header}" + ctx.read_bytes()[40:])
+    with pytest.raises(
+        ArtifactError, match=r"context.safetensors \(task contexts\): not a readable"
+    ):
+        load_contexts(ctx)
+    model = d / "model.safetensors"
+    model.write_bytes(b"\xff" * 8 + model.read_bytes()[8:])
+    (d / "checkpoint.json").unlink()  # nothing recorded: the header itself must be named
+    with pytest.raises(ArtifactError, match=r"model.safetensors \(checkpoint\): not a readable"):
+        load_policy(d)
+
+
+def test_safetensors_are_written_readable_by_others(tmp_path: Path) -> None:
+    import os
+
+    old = os.umask(0o022)
+    try:
+        d = _policy_dir(tmp_path)
+    finally:
+        os.umask(old)
+    for f in d.glob("*.safetensors"):
+        assert f.stat().st_mode & 0o777 == 0o644, f

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import zarr
 from rich.console import Console
 from rich.table import Table
 
+from wamrl.artifact import ArtifactError, read_json
 from wamrl.store import (
     EPISODE_NAMES,
     REWARD_NAMES,
@@ -30,8 +30,8 @@ def task_names(paths: tuple[Path, ...] = _TASK_TABLES) -> dict[int, str]:
     """index -> name from data/tasks.json ({"tasks": [...]} or a bare list); {} if absent."""
     for p in paths:
         try:
-            doc = json.loads(p.read_text())
-        except (OSError, ValueError):
+            doc = read_json(p)
+        except ArtifactError:  # names are a nicety here: the summary goes on without them
             continue
         rows = doc.get("tasks", []) if isinstance(doc, dict) else doc
         try:
