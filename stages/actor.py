@@ -107,6 +107,14 @@ def _run(
     # Adam's moments carry over from iteration n-1's actor/ (not a declared input: the DAG
     # must not wait on it). Without it Adam starts from zero: said here, not silent.
     metrics["optimizer_reset"] = iteration > 1 and restored == 0
+    metrics["optimizer_state_from"] = (
+        str(prev_actor / "optimizer.safetensors") if restored else None
+    )
+    if metrics["optimizer_reset"]:
+        print(
+            f"optimizer_reset: no Adam state in {prev_actor / 'optimizer.safetensors'}: "
+            "Adam's moments start from zero this iteration"
+        )
     metrics["master_weights_params"] = opt.num_masters
     metrics["master_weights_restored_params"] = masters_restored
     metrics["devices"] = distributed.world_size()
