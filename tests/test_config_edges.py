@@ -85,6 +85,18 @@ def test_task_selections_outside_their_suites_are_refused_at_load(over, message)
         load_config(overrides=over)
 
 
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"policy.backend": "fastwam"}, "policy.fastwam: required with policy.backend fastwam"),
+        ({"sampler.compile": True, "sampler.cuda_graphs": False}, "sampler.compile: needs"),
+    ],
+)
+def test_settings_the_code_would_ignore_or_crash_on_are_refused(over, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=over)
+
+
 def test_task_selections_inside_their_suites_load() -> None:
     cfg = load_config(overrides={"eval.tasks": [0, 9], "eval.suites": ["libero_spatial"]})
     assert cfg["eval"]["tasks"] == [0, 9]

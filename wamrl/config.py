@@ -146,6 +146,14 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"rollout.groups ({r['groups']}) < rollout.workers ({r['workers']}): "
             "every shard needs at least one group"
         )
+    if cfg["policy"]["backend"] == "fastwam" and "fastwam" not in cfg["policy"]:
+        raise ConfigError(
+            "policy.fastwam: required with policy.backend fastwam (configs/fastwam.yaml sets it)"
+        )
+    if cfg["sampler"]["compile"] and not cfg["sampler"]["cuda_graphs"]:
+        # compile only changes what the CUDA graphs record: without them it would be ignored
+        raise ConfigError("sampler.compile: needs sampler.cuda_graphs true (it compiles the "
+                          "layers the graphs record)")  # fmt: skip
     low = [f"{k}.amp" for k in ("sampler", "actor") if cfg[k]["amp"] is not None]
     fw = cfg["policy"].get("fastwam") or {}
     if cfg["policy"]["backend"] == "fastwam" and fw.get("dtype", "float32") != "float32":
