@@ -265,3 +265,58 @@ def test_safetensors_are_written_readable_by_others(tmp_path: Path) -> None:
         os.umask(old)
     for f in d.glob("*.safetensors"):
         assert f.stat().st_mode & 0o777 == 0o644, f
+
+
+def test_verify_run_finds_each_damaged_artifact(tmp_path: Path) -> None:
+    """`wamrl verify RUN`: an intact run passes; a flipped byte in a chunk or in tensor
+    data, a damaged JSON and a damaged safetensors header are each named."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from wamrl import paths
+    from wamrl.artifact import save_tensors
+    from wamrl.atomic import write_json
+    from wamrl.cli import app
+    from wamrl.store import checksum_problems
+    from wamrl.verify import verify_run
+
+    run = tmp_path / "run"
+    shutil.copytree(_policy_dir(tmp_path), paths.policy_dir(run, 0))
+    shard = write_store(paths.shard_path(run, 1, 0), make_episodes())
+    write_json(paths.reward_done(run, 1), {"groups_kept": 1, "groups_total": 2})
+    paths.actor_dir(run, 1).mkdir(parents=True)
+    save_tensors({"w": torch.ones(3)}, paths.actor_dir(run, 1) / "actor.safetensors")
+    write_json(paths.actor_dir(run, 1) / "metrics.json", {"iteration": 1})
+    (run / "logs").mkdir()
+    (run / "logs" / "x.json").write_text("not an artifact, not checked")
+
+    results = dict(verify_run(run))
+    assert set(results) == {
+        "iter_001/rollouts/shard_000.zarr", "iter_000/policy (sha256 of its files)",
+        "iter_000/policy/checkpoint.json", "iter_000/policy/stats.json",
+        "iter_000/policy/model.safetensors", "iter_000/policy/context.safetensors",
+        "iter_001/reward.done", "iter_001/actor/actor.safetensors", "iter_001/actor/metrics.json",
+    }  # fmt: skip
+    assert all(v is None for v in results.values()), results
+    assert CliRunner().invoke(app, ["verify", str(run)]).exit_code == 0
+
+    _flip_tensor_data(paths.policy_dir(run, 0) / "model.safetensors")
+    _flip(_chunk_file(shard, "step/image", (1, 0, 0, 0, 0)), at=5000)
+    paths.reward_done(run, 1).write_text('{"groups_kept": ')
+    f = paths.actor_dir(run, 1) / "actor.safetensors"
+    f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
+    results = dict(verify_run(run))
+    assert "model.safetensors: sha256" in results["iter_000/policy (sha256 of its files)"]
+    assert (
+        "step/image: 1 chunk file(s) fail their crc32c"
+        in results["iter_001/rollouts/shard_000.zarr"]
+    )
+    assert "not readable JSON" in results["iter_001/reward.done"]
+    assert "not a readable safetensors" in results["iter_001/actor/actor.safetensors"]
+    assert sum(v is not None for v in results.values()) == 4
+    assert checksum_problems(shard) == [
+        "step/image: 1 chunk file(s) truncated or failing their crc32c, first c/1/0/0/0/0"
+    ]
+    out = CliRunner().invoke(app, ["verify", str(run)])
+    assert out.exit_code == 1 and "5/9 artifacts intact" in out.output
