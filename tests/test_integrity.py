@@ -91,17 +91,21 @@ def test_a_read_after_validation_still_names_store_and_array(shard: Path) -> Non
         load_steps(root, ["step/chain"])
 
 
+@pytest.mark.parametrize(
+    ("array", "coords", "at"),
+    [("step/frames", (0, 0, 0, 0, 0, 0), 100), ("episode/task", (1,), 16)],
+)
 def test_every_reading_stage_refuses_a_corrupt_chunk_naming_store_and_array(
-    shard: Path,
+    shard: Path, array: str, coords: tuple[int, ...], at: int
 ) -> None:
-    """reward (open_rollout), actor (load_actor_data), world model (list_windows): each
-    stops before any work, its message naming the store and the array."""
+    """reward (its success-dominance check, then open_rollout), actor (load_actor_data),
+    world model (list_windows): each stops before any work, naming the store and array."""
     from wamrl.config import load_config
     from wamrl.ppo import load_actor_data
-    from wamrl.reward import open_rollout
+    from wamrl.reward import check_success_dominates, open_rollout
     from wamrl.world_model import list_windows
 
-    _flip(_chunk_file(shard, "step/frames", (0, 0, 0, 0, 0, 0)), at=100)
+    _flip(_chunk_file(shard, array, coords), at=at, n=1)
     cfg = load_config()
     ctx, mask = torch.zeros(40, 4, 8), torch.ones(40, 4, dtype=torch.bool)
     readers = {
@@ -109,11 +113,13 @@ def test_every_reading_stage_refuses_a_corrupt_chunk_naming_store_and_array(
         "actor": lambda: load_actor_data([shard], ctx, mask, cfg, 1, 2),
         "world_model": lambda: list_windows([shard], cfg["world_model"]),
     }
+    if array == "episode/task":  # the one array the reward stage reads before validating
+        readers["reward's check"] = lambda: check_success_dominates([shard], cfg["reward"])
     for name, read in readers.items():
         with pytest.raises(StoreError) as err:
             read()
         msg = str(err.value)
-        assert str(shard) in msg and "step/frames" in msg and "crc32c" in msg, (name, msg)
+        assert str(shard) in msg and array in msg and "checksum" in msg, (name, msg)
 
 
 def test_a_store_from_before_checksums_is_unchecked_not_invalid(
