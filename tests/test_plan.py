@@ -109,3 +109,25 @@ def test_a_missing_or_half_written_previous_store_is_named(tmp_path: Path) -> No
     zarr.open_group(str(paths.shard_path(tmp_path, 1, 1)), mode="r+").attrs["complete"] = False
     with pytest.raises(StoreError, match="shard_001.zarr: store is half-written"):
         make_plan(cfg, tmp_path, 2, tasks)
+
+
+def test_the_rollout_rule_declares_the_previous_rollouts(tmp_path: Path) -> None:
+    """The plan's inputs are the DAG's: rollout n lists iteration n-1's shards (iteration 1
+    only the base policy); no eval.json is an input."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(repo / "Snakefile"), "-n", "--cores",
+           "1", "--", "iter_002/rollouts/shard_000.zarr"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    inputs = {
+        line.split("output: ")[1]: prev.split("input: ")[1]
+        for prev, line in zip(p.stdout.splitlines(), p.stdout.splitlines()[1:], strict=False)
+        if "output: " in line and "rollouts/shard_" in line
+    }
+    assert inputs["iter_001/rollouts/shard_000.zarr"] == "iter_000/policy"
+    assert inputs["iter_002/rollouts/shard_000.zarr"] == (
+        "iter_001/policy, iter_001/rollouts/shard_000.zarr, iter_001/rollouts/shard_001.zarr"
+    )
