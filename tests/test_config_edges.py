@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from test_learner import run_after_reward  # noqa: F401 - a fixture: synthetic stores + reward
 
 from wamrl import paths
@@ -44,15 +43,20 @@ def test_snakemake_config_values_are_typed() -> None:
 
 def test_snakemake_config_flag_with_an_exponent_float(tmp_path: Path) -> None:
     """README's form, `--config 'actor={lr: 1e-5}' -- TARGET` (the `--` ends --config's
-    values), plans the DAG with lr 1e-5 in the resolved run config."""
-    cmd = [
-        sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-n", "--cores", "1",
-        "--config", "actor={lr: 1e-5}", "--", "iter_001/eval.json",
-    ]  # fmt: skip
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    values), passes the schema (a number) and plans the DAG; a value that is no number is
+    refused, naming the key, before any job."""
+
+    def plan(value: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-n", "--cores",
+            "1", "--config", f"actor={{lr: {value}}}", "--", "iter_001/eval.json",
+        ]  # fmt: skip
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    p = plan("1e-5")
     assert p.returncode == 0, p.stderr[-3000:]
-    run_cfg = yaml.safe_load((tmp_path / ".wamrl" / "config.yaml").read_text())
-    assert run_cfg["actor"]["lr"] == 1e-5
+    p = plan("1e-5x")
+    assert p.returncode != 0 and "actor.lr" in p.stdout + p.stderr
 
 
 def test_documented_commands_end_config_values_before_the_target() -> None:
