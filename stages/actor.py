@@ -63,10 +63,7 @@ def _run(
     from wamrl.policy import load_policy
     from wamrl.policy.text import load_contexts
 
-    done = read_json(
-        paths.reward_done(run_dir, iteration), "the reward stage's record",
-        keys=("groups_kept", "groups_total"),
-    )  # fmt: skip
+    done = read_json(paths.reward_done(run_dir, iteration), "the reward stage's record")
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
     policy = load_policy(prev_dir, device=device)
     context, mask = load_contexts(prev_dir / "context.safetensors")

@@ -230,16 +230,19 @@ def test_a_bad_json_artifact_is_named(tmp_path: Path, garbage: str) -> None:
 def test_actor_stage_names_a_damaged_reward_done(tmp_path: Path) -> None:
     import stages.actor
     from wamrl import paths
-    from wamrl.artifact import ArtifactError
+    from wamrl.artifact import ArtifactError, read_json
     from wamrl.config import load_config
 
     paths.reward_done(tmp_path, 1).parent.mkdir(parents=True)
     paths.reward_done(tmp_path, 1).write_text('{"groups_kept": 1')  # cut short
     with pytest.raises(ArtifactError, match=r"iter_001/reward.done .*not readable JSON"):
         stages.actor.main(load_config(), tmp_path, 1)
-    paths.reward_done(tmp_path, 1).write_text('{"iteration": 1}')
-    with pytest.raises(ArtifactError, match=r"reward.done .*lacks key\(s\) \['groups_kept'"):
-        stages.actor.main(load_config(), tmp_path, 1)
+    stats = tmp_path / "stats.json"
+    stats.write_text('{"state": {}}')
+    with pytest.raises(
+        ArtifactError, match=r"stats.json \(statistics\): lacks key\(s\) \['action'\]"
+    ):
+        read_json(stats, "statistics", keys=("state", "action"))
 
 
 def test_a_damaged_safetensors_header_is_named(tmp_path: Path) -> None:
