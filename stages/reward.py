@@ -51,6 +51,9 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     policy = load_policy(wm_dir, device=device)
     context, mask = load_contexts(wm_dir / "context.safetensors")
     world_model = {"kind": kind, "path": str(wm_dir), "sha256": checkpoint_sha256(wm_dir)}
+    # reward.done vouches for every shard's reward/ group, which this run now rewrites: a
+    # run killed halfway through the shards must not leave the old marker standing.
+    paths.reward_done(run_dir, iteration).unlink(missing_ok=True)
     summary = run_reward(policy, shards, context, mask, cfg, world_model, device)
     summary["shards"] = [str(s.relative_to(run_dir)) for s in shards]
     write_json(
