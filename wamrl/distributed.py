@@ -99,7 +99,7 @@ def teardown() -> None:
 def _entry(
     r: int, fn: Callable[..., Any], devices: list[str], args: tuple, parent_pid: int
 ) -> None:
-    from wamrl.runtime import die_with_parent
+    from wamrl.lifetime import die_with_parent
 
     die_with_parent(parent_pid)  # a rank must not outlive a killed stage
     device = torch.device(devices[r])

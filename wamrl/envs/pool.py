@@ -139,7 +139,7 @@ def _worker_main(
     conn: Connection, cfg_env: dict[str, Any], seed: int, parent_pid: int | None = None
 ) -> None:
     if parent_pid is not None:  # first: a kill -9 of the stage takes this env down with it
-        from wamrl.runtime import die_with_parent
+        from wamrl.lifetime import die_with_parent
 
         die_with_parent(parent_pid)
     # The policy process answers every env's query, so its latency is every env's latency:
