@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from wamrl import paths, tb
+from wamrl import paths, store, tb
 from wamrl.atomic import sha256_file, write_json
 from wamrl.reward import check_success_dominates, run_reward
 from wamrl.runtime import pick_device
@@ -46,6 +46,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     device = pick_device(cfg, "reward")
     kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
     shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    store.check_made_under(shards, cfg)  # e.g. every shard rolled out with this G
     # A reward that lets reconstruction outweigh success stops here: no model load, no write.
     check_success_dominates(shards, cfg["reward"])
     policy = load_policy(wm_dir, device=device)

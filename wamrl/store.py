@@ -522,6 +522,31 @@ def _fill_reward_group(
 # --------------------------------------------------------------------------- reading
 
 
+def check_made_under(
+    paths: Sequence[str | Path], cfg: dict[str, Any], with_reward: bool = False
+) -> None:
+    """Refuse stores made under another config than `cfg` (config.MADE_UNDER: the rollout's
+    keys from the root attrs, and with_reward the reward keys from reward/'s attrs), before
+    any work. A store too broken to read its attrs is left to validation, which says why."""
+    from wamrl.config import check_made_under as check
+
+    for path in paths:
+        try:
+            root = zarr.open_group(str(path), mode="r", zarr_format=3)
+            attrs = dict(root.attrs)
+        except Exception:
+            continue
+        if attrs.get("complete") is not True:
+            continue  # half-written: validation reports it
+        check(cfg, attrs.get("config"), "rollout", Path(path))
+        if with_reward:
+            try:
+                rattrs = dict(root["reward"].attrs)
+            except Exception:
+                continue
+            check(cfg, rattrs.get("config"), "reward", Path(path) / "reward")
+
+
 def open_store(path: str | Path, mode: str = "r", deep: bool = False) -> zarr.Group:
     """Open a complete, valid store; raise StoreError naming the path and every problem.
 
