@@ -163,6 +163,7 @@ def write_text(final: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would survive the rename
+        faults.point("text")
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

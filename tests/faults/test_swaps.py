@@ -144,3 +144,49 @@ def test_settle_touches_only_its_own_leftovers(tmp_path: Path) -> None:
     (tmp_path / "shard_000.zarr").mkdir()
     assert sorted(p.name for p in atomic.settle(tmp_path / "shard_000.zarr")) == sorted(mine)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*other, "shard_000.zarr"])
+
+
+@pytest.mark.parametrize("mode", ["enospc", "erofs"])
+@pytest.mark.parametrize(
+    ("kind", "point"),
+    [
+        ("store", "episode"),
+        ("store", "filled"),
+        ("reward", "filled"),
+        ("dir", "text"),
+        ("dir", "filled"),
+    ],
+)
+def test_full_or_read_only_disk_fails_cleanly(
+    kind: str, point: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails with ENOSPC / EROFS leaves the previous version whole (or nothing,
+    for a new artifact) and no temporary behind."""
+    path = first_version(kind, tmp_path)
+    before = old_content(kind, path)
+    monkeypatch.setenv(faults.ENV, f"{point}:{mode}")
+    with pytest.raises(OSError, match="injected") as e:
+        if kind == "reward":
+            write_reward_group(path, _reward_arrays(3, 2), np.ones(3, bool), REWARD_ATTRS)
+        elif kind == "store":
+            write_store(path, make_episodes(2))
+        else:
+            with atomic.atomic_dir(path) as tmp:
+                atomic.write_text(tmp / "f0.txt", "new")
+    assert e.value.errno == {"enospc": 28, "erofs": 30}[mode]
+    assert old_content(kind, path) == before
+    if kind != "dir":
+        assert validate_store(path) == []
+    assert atomic.stale_under(tmp_path) == []
+    if kind == "reward":
+        return
+    # and a new artifact that fails to write does not appear at all
+    fresh = tmp_path / "new" / path.name
+    with pytest.raises(OSError, match="injected"):
+        if kind == "dir":
+            with atomic.atomic_dir(fresh) as tmp:
+                atomic.write_text(tmp / "f0.txt", "new")
+        else:
+            write_store(fresh, make_episodes(2))
+    assert not fresh.exists()
+    assert atomic.stale_under(tmp_path) == []
