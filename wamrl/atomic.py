@@ -133,8 +133,12 @@ def make_temp_dir(final: Path, mode: int = 0o777) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     settle(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, mode & ~_UMASK)  # mkdtemp's 0700 would survive the rename
-    faults.point("temp")
+    try:
+        os.chmod(tmp, mode & ~_UMASK)  # mkdtemp's 0700 would survive the rename
+        faults.point("temp")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 

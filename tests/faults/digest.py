@@ -48,6 +48,9 @@ def digest(run: Path, iteration: int, workers: int) -> dict[str, str]:
                 out[f"{d}/{f}"] = _sha(path.read_bytes())
     for name in ("reward.done", "eval.json", "actor/metrics.json", "world_model/metrics.json"):
         path = paths.iter_dir(run, iteration) / name
+        if not path.exists():
+            out[name] = "missing"
+            continue
         out[name] = _sha(json.dumps(_json(json.loads(path.read_text())), sort_keys=True).encode())
     return out
 

@@ -6,9 +6,10 @@ clean run of tests/micro.yaml (one iteration, 2 shards), then checked.
     python -m tests.faults.matrix -k reward        # trials whose name contains "reward"
     python -m tests.faults.matrix --out DIR        # also DIR/matrix.md and DIR/matrix.json
 
-A kill or disk trial runs `snakemake -R RULE iter_001/eval.json` on the copy with
-WAMRL_FAULT set (wamrl.faults: the stage breaks itself at the named point), then the plain
-command a user resumes with (`snakemake iter_001/eval.json`), and checks: the resume
+A trial removes RULE's outputs and everything after them from the copy (as if the run had
+got that far), runs the run's command (`snakemake ... iter_001/eval.json`) with WAMRL_FAULT
+set (wamrl.faults: the stage breaks itself at the named point), then the same command again
+without it, as a user resumes, and checks: the resume
 completes; no leftover (.NAME.tmp-*, .NAME.old-*) and no process of the trial survives;
 `wamrl inspect` passes on every store; every array, tensor file and result equals the clean
 run's (rollouts with one env per worker are deterministic); a disk fault also leaves nothing
@@ -46,6 +47,16 @@ COMMAND = [
     "--config", "env={mujoco_gl: egl}", "pipeline={iterations: 1}",
 ]  # fmt: skip
 RULES = ("rollout", "reward", "actor", "world_model", "merge", "eval")
+# A rule's outputs and those of every rule after it, relative to iter_001/.
+_AFTER_MERGE = ("policy", "eval.json")
+DOWNSTREAM = {
+    "rollout": ("rollouts", "reward.done", "actor", "world_model", *_AFTER_MERGE),
+    "reward": ("reward.done", "actor", *_AFTER_MERGE),
+    "actor": ("actor", *_AFTER_MERGE),
+    "world_model": ("world_model", *_AFTER_MERGE),
+    "merge": _AFTER_MERGE,
+    "eval": ("eval.json",),
+}
 
 
 @dataclass
@@ -228,9 +239,12 @@ def run_trial(t: Trial, base: Path, reference: dict[str, str], work: Path) -> Ou
     token = f"{os.getpid()}-{abs(hash(t.name))}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "MUJOCO_GL": "egl", "WAMRL_TRIAL": token}
     env.pop("WAMRL_FAULT", None)
+    for rel in DOWNSTREAM[t.rule]:
+        p = paths.iter_dir(run, 1) / rel
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     damaged = t.damage(run) if t.damage else None
     before = artifacts(run)
-    first = snakemake(run, "-R", t.rule, env={**env, "WAMRL_FAULT": t.fault} if t.fault else env)
+    first = snakemake(run, env={**env, "WAMRL_FAULT": t.fault} if t.fault else env)
     o.first_rc = first.returncode
     o.checks["fault struck (run failed)"] = first.returncode != 0
     o.checks["no process outlived the run"] = not survivors(token)
