@@ -23,9 +23,11 @@ change must first make pass carry `pending`: listed, run only with --pending.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,6 +67,7 @@ class Trial:
     rule: str  # the Snakemake rule made to run again (with everything after it)
     fault: str | None = None  # WAMRL_FAULT for that run
     damage: Callable[[Path], Path] | None = None  # breaks an input; returns the file
+    kill_after_s: float | None = None  # kill -9 the stage from outside this long after it starts
     pending: str | None = None  # why it cannot pass yet
 
 
@@ -157,6 +160,9 @@ DISK = {  # a full or read-only disk in the middle of each stage's writing
 TRIALS: list[Trial] = [
     *(Trial(f"kill {r} at {p}", r, f"{r}:{p}") for r in RULES for p in POINTS[r]),
     *(Trial(f"ENOSPC in {r} at {DISK[r]}", r, f"{r}:{DISK[r]}:enospc") for r in RULES),
+    # From outside, at a time rather than a point: env workers mid-episode, LIBERO loaded.
+    Trial("kill -9 from outside: rollout after 15 s", "rollout", kill_after_s=15),
+    Trial("kill -9 from outside: eval after 5 s", "eval", kill_after_s=5),
     Trial("EROFS in reward at filled", "reward", "reward:filled:erofs"),
     Trial("EROFS in rollout at episode", "rollout", "rollout:episode:erofs"),
     Trial("truncated step/chain chunk", "reward", damage=truncate_chunk),
@@ -178,11 +184,43 @@ TRIALS: list[Trial] = [
 # ---- running ---------------------------------------------------------------------------------
 
 
-def snakemake(run: Path, *extra: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*COMMAND, *extra, "--", TARGET], cwd=run, env=env, capture_output=True, text=True,
-        timeout=1800,
-    )  # fmt: skip
+def snakemake(
+    run: Path, env: dict[str, str], kill: tuple[str, float] | None = None
+) -> subprocess.CompletedProcess:
+    """The run's command; kill = (stage, seconds): kill -9 that stage's process then."""
+    if kill is None:
+        return subprocess.run(
+            [*COMMAND, "--", TARGET], cwd=run, env=env, capture_output=True, text=True,
+            timeout=1800,
+        )  # fmt: skip
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen([*COMMAND, "--", TARGET], cwd=run, env=env, stdout=out, stderr=out)
+        stage, after = kill
+        pid = None
+        while pid is None and p.poll() is None:
+            pid = next(iter(stage_processes(env["WAMRL_TRIAL"], stage)), None)
+            time.sleep(0.2)
+        if pid is not None:
+            time.sleep(after)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        rc = p.wait(1800)
+        out.seek(0)
+        text = out.read()
+    return subprocess.CompletedProcess(p.args, rc, text, "")
+
+
+def stage_processes(token: str, stage: str) -> list[int]:
+    """The trial's `wamrl STAGE` processes (the stage itself, not its shell or workers)."""
+    out = []
+    for pid in trial_processes(token):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"/wamrl") for a in argv[:2]) and stage.encode() in argv:
+            out.append(pid)
+    return out
 
 
 def trial_processes(token: str) -> list[int]:
@@ -244,7 +282,8 @@ def run_trial(t: Trial, base: Path, reference: dict[str, str], work: Path) -> Ou
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     damaged = t.damage(run) if t.damage else None
     before = artifacts(run)
-    first = snakemake(run, env={**env, "WAMRL_FAULT": t.fault} if t.fault else env)
+    kill = (t.rule.replace("_", "-"), t.kill_after_s) if t.kill_after_s else None
+    first = snakemake(run, {**env, "WAMRL_FAULT": t.fault} if t.fault else env, kill)
     o.first_rc = first.returncode
     o.checks["fault struck (run failed)"] = first.returncode != 0
     o.checks["no process outlived the run"] = not survivors(token)
@@ -257,13 +296,13 @@ def run_trial(t: Trial, base: Path, reference: dict[str, str], work: Path) -> Ou
             o.notes.append(f"written: {new[:3]}")
         o.notes.append(_last_error(out))
     else:
-        if t.fault and not t.fault.endswith(("enospc", "erofs")):
+        if t.kill_after_s or (t.fault and not t.fault.endswith(("enospc", "erofs"))):
             # the job's shell reports its stage's death by SIGKILL as exit status 128 + 9
             o.checks["killed by SIGKILL"] = "exit status 137" in first.stdout + first.stderr
         if t.fault and t.fault.endswith(("enospc", "erofs")):
             o.checks["nothing looks complete"] = not looks_complete(run, t.rule)
             o.checks["no leftover after the failure"] = not atomic.stale_under(run)
-        resume = snakemake(run, env=env)
+        resume = snakemake(run, env)
         o.resume_rc = resume.returncode
         o.checks["resume completes"] = resume.returncode == 0
         if resume.returncode != 0:
@@ -298,7 +337,7 @@ def table(outcomes: list[Outcome]) -> str:
     ]
     for i, o in enumerate(outcomes, 1):
         t = o.trial
-        fault = t.fault or (t.damage.__name__ if t.damage else "")
+        fault = t.fault or (t.damage.__name__ if t.damage else f"kill -9 at {t.kill_after_s} s")
         failed = [k for k, v in o.checks.items() if not v]
         verdict = "pass" if o.ok else f"FAIL: {', '.join(failed)}"
         if t.pending:
@@ -316,7 +355,7 @@ def build_base(base: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "MUJOCO_GL": "egl"}
     env.pop("WAMRL_FAULT", None)
     base.mkdir(parents=True)
-    p = snakemake(base, env=env)
+    p = snakemake(base, env)
     if p.returncode != 0:
         raise SystemExit(f"the clean run failed:\n{p.stderr[-3000:]}")
 
