@@ -6,14 +6,19 @@
 #
 # Config: configs/default.yaml, then --configfile files, then --config 'section={key: value}';
 # validated against configs/schema.yaml before any job. The resolved config is written to
-# .wamrl/config.yaml in the run directory, where every stage command reads it. Every job
-# also keeps its output in logs/ (logs/iter_NNN/<rule>.log): Snakemake names that file when
-# a job fails, on a cluster too.
+# .wamrl/config.yaml in the run directory, where every stage command reads it. A run keeps
+# that config: later commands start from it (resuming needs no --configfile), a command that
+# would change it is refused with the differences (pipeline.* excepted: it only picks
+# targets), and `--config force_config=true` replaces
+# it with this command's config (defaults, --configfile, --config). Dry runs never write it.
+# Every job also keeps its output in logs/ (logs/iter_NNN/<rule>.log): Snakemake names that
+# file when a job fails, on a cluster too.
 import sys
 from pathlib import Path
 
 from wamrl.config import (
-    RUN_CONFIG, ConfigError, coerce_strings, dump, expand_dotted, load_config, resolve_path
+    FREE_KEYS, RUN_CONFIG, ConfigError, coerce_strings, config_diff, dump, expand_dotted,
+    load_config, read_yaml, resolve_path
 )
 from wamrl.atomic import write_text
 
@@ -21,12 +26,33 @@ from wamrl.atomic import write_text
 # recurses that deep, beyond Python's default limit.
 sys.setrecursionlimit(max(sys.getrecursionlimit(), 200_000))
 
+FORCE_CONFIG = coerce_strings(config.pop("force_config", False)) is True
+RUN_CFG = Path(RUN_CONFIG).absolute()
 try:
-    CFG = load_config(overrides=expand_dotted(coerce_strings(config)))
+    recorded = read_yaml(RUN_CFG) if RUN_CFG.is_file() and not FORCE_CONFIG else None
+    base = [RUN_CFG] if recorded is not None else []
+    CFG = load_config(base, overrides=expand_dotted(coerce_strings(config)))
 except ConfigError as e:
-    raise WorkflowError(str(e)) from None
-if not (Path(RUN_CONFIG).is_file() and Path(RUN_CONFIG).read_text() == dump(CFG)):
-    write_text(Path(RUN_CONFIG), dump(CFG))
+    hint = (
+        f"\n{RUN_CFG} is this run's config: restore it, or replace it with this command's "
+        "config by adding --config force_config=true"
+        if str(RUN_CFG) in str(e) else ""
+    )
+    raise WorkflowError(f"{e}{hint}") from None
+if recorded is not None and (diff := config_diff(recorded, CFG, ignore=FREE_KEYS)):
+    raise WorkflowError(
+        f"{RUN_CFG}: this run was started under another config, and its jobs must not mix "
+        "two. This command would change (run -> command):\n  " + "\n  ".join(diff)
+        + "\nResume without those options (the run's config is read from that file), or add "
+        "--config force_config=true to make this command's config the run's (finished "
+        "artifacts keep theirs; stages refuse inputs made under different values)."
+    )
+
+
+onstart:
+    # Not on a dry run (-n) or with --no-hooks: only a run that starts jobs records its config.
+    if not (RUN_CFG.is_file() and RUN_CFG.read_text() == dump(CFG)):
+        write_text(RUN_CFG, dump(CFG))
 
 W = CFG["rollout"]["workers"]
 GPU = 0 if CFG["device"] == "cpu" else 1

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from wamrl import distributed, paths, tb
+from wamrl import distributed, paths, store, tb
 from wamrl.artifact import load_tensors, read_json, save_tensors
 from wamrl.atomic import atomic_dir, write_json
+from wamrl.config import check_made_under
 from wamrl.master import MasterWeightOptimizer
 from wamrl.ppo import (
     actor_update,
@@ -63,11 +64,15 @@ def _run(
     from wamrl.policy import load_policy
     from wamrl.policy.text import load_contexts
 
-    done = read_json(paths.reward_done(run_dir, iteration), "the reward stage's record")
+    done_path = paths.reward_done(run_dir, iteration)
+    done = read_json(done_path, "the reward stage's record")
+    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    # Before any work: the rollouts and their rewards were made under this run's settings.
+    check_made_under(cfg, done.get("config"), "reward", done_path)
+    store.check_made_under(shards, cfg, with_reward=True)
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
     policy = load_policy(prev_dir, device=device)
     context, mask = load_contexts(prev_dir / "context.safetensors")
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
     data = load_actor_data(
         shards, context, mask, cfg, done.get("groups_kept", 0), done.get("groups_total", 0)
     )

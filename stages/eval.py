@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wamrl import paths
+from wamrl import faults, paths
 from wamrl.artifact import read_json
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import resolve_path
@@ -177,6 +177,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
 
     def on_episode(i: int, data) -> None:
         results.append((data.task, bool(data.success), bool(data.env_crashed)))
+        faults.point("episode")
         if data.video_frames is not None:
             videos[i] = data.video_frames
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from wamrl import paths, tb
+from wamrl import paths, store, tb
 from wamrl.artifact import checkpoint_sha256
 from wamrl.atomic import write_json
 from wamrl.reward import check_success_dominates, run_reward
@@ -36,11 +36,15 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     device = pick_device(cfg, "reward")
     kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
     shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    store.check_made_under(shards, cfg)  # e.g. every shard rolled out with this G
     # A reward that lets reconstruction outweigh success stops here: no model load, no write.
     check_success_dominates(shards, cfg["reward"])
     policy = load_policy(wm_dir, device=device)
     context, mask = load_contexts(wm_dir / "context.safetensors")
     world_model = {"kind": kind, "path": str(wm_dir), "sha256": checkpoint_sha256(wm_dir)}
+    # reward.done vouches for every shard's reward/ group, which this run now rewrites: a
+    # run killed halfway through the shards must not leave the old marker standing.
+    paths.reward_done(run_dir, iteration).unlink(missing_ok=True)
     summary = run_reward(policy, shards, context, mask, cfg, world_model, device)
     summary["shards"] = [str(s.relative_to(run_dir)) for s in shards]
     write_json(

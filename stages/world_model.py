@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from wamrl import paths, tb
+from wamrl import paths, store, tb
 from wamrl.artifact import load_tensors, save_tensors
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.conventions import Normalizer
@@ -43,6 +43,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     from wamrl.policy.text import load_contexts
 
     run_dir = Path(run_dir)
+    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    store.check_made_under(shards, cfg)  # before any work: rolled out under these settings
     device = pick_device(cfg, "world_model")
     wcfg = cfg["world_model"]
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
@@ -53,7 +55,6 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     context, mask = load_contexts(prev_dir / "context.safetensors")
     # The rollout normalised its queries with this policy's stats: the same for video/proprio.
     normalizer = Normalizer.load(prev_dir / "stats.json")
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
     specs, counts = list_windows(shards, wcfg)
     batches = WindowBatches(
         shards,

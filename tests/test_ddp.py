@@ -138,7 +138,8 @@ def _write_reward_done(run: Path) -> None:
 
     done = paths.reward_done(run, 1)
     done.parent.mkdir(parents=True, exist_ok=True)
-    done.write_text(json.dumps({"groups_kept": 1, "groups_total": 1}))
+    # the config the reward stage records: the actor checks its reward keys against its own
+    done.write_text(json.dumps({"groups_kept": 1, "groups_total": 1, "config": _stage_cfg()}))
 
 
 def _rank_updates(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zarr
 
-from wamrl import paths, store
+from wamrl import atomic, paths, store
 from wamrl.atomic import sha256_file
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +62,7 @@ def test_every_output_exists(run):
         assert (paths.world_model_dir(run, n) / "metrics.json").is_file()
         assert (paths.policy_dir(run, n) / "model.safetensors").is_file()
     assert paths.eval_json(run, 2).is_file()
-    assert not list(run.rglob(".*.tmp")), "a temporary artifact was left behind"
+    assert atomic.stale_under(run) == [], "a temporary artifact was left behind"
 
 
 def test_iteration_2_rolls_out_iteration_1_checkpoint(run):

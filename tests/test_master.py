@@ -235,7 +235,7 @@ def _run_actor_stage(
     monkeypatch.setattr(stages.actor, "load_actor_data", lambda *a: data)
     done = paths.reward_done(run, iteration)
     done.parent.mkdir(parents=True, exist_ok=True)
-    done.write_text(json.dumps({"groups_kept": 1, "groups_total": 1}))
+    done.write_text(json.dumps({"groups_kept": 1, "groups_total": 1, "config": cfg}))
     stages.actor.main(cfg, run, iteration)
     return json.loads((paths.actor_dir(run, iteration) / "metrics.json").read_text())
 

@@ -409,11 +409,13 @@ def test_reward_group_rewrite(store: tuple[Path, list[EpisodeData]]) -> None:
     other = _reward_arrays(3, 1)
     write_reward_group(path, other, np.ones(3, bool), REWARD_ATTRS)
     np.testing.assert_array_equal(read()["advantage"], np.where(valid, other["advantage"], 0))
-    # A crash mid-write leaves reward.tmp: reported, then cleaned by the next run.
-    zarr.open_group(str(path), mode="r+").create_group("reward.tmp").create_array(
+    # A crash mid-write leaves .reward.tmp-*: reported, then cleaned by the next run.
+    zarr.open_group(str(path), mode="r+").create_group(".reward.tmp-0a1b2c3d").create_array(
         "r_rec", shape=(3, T), dtype="float32"
     )
-    assert any("reward.tmp/r_rec" in p and "interrupted" in p for p in validate_store(path))
+    assert any(
+        ".reward.tmp-0a1b2c3d/r_rec" in p and "interrupted" in p for p in validate_store(path)
+    )
     write_reward_group(path, other, np.ones(3, bool), REWARD_ATTRS)
     assert validate_store(path) == []
 

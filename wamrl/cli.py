@@ -55,6 +55,23 @@ def resolve(
 
 
 def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, **kwargs: Any) -> None:
+    from wamrl import faults, paths
+    from wamrl.atomic import settle
+
+    faults.STAGE = stage
+    # A killed earlier run of this stage left temporaries (or a version moved aside): settle
+    # them first, so that a rerun starts from complete artifacts and leaves no debris.
+    outputs = paths.stage_outputs(
+        stage,
+        run_dir,
+        kwargs.get("iteration", 0),
+        kwargs.get("worker", 0),
+        int(cfg["rollout"]["workers"]),
+    )
+    for path in outputs:
+        for p in settle(path):
+            print(f"wamrl {stage}: settled {p} (left by an interrupted run)", file=sys.stderr)
+    faults.point("start")
     module = importlib.import_module(f"stages.{stage}")
     module.main(cfg, run_dir, **kwargs)
 

@@ -212,3 +212,104 @@ def resolve_path(path: str | Path) -> Path:
 
 def dump(cfg: Mapping[str, Any]) -> str:
     return yaml.safe_dump(dict(cfg), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- a run keeps its config
+
+# What an artifact's content depends on, as dotted key prefixes: a stage that reads the
+# artifact under other values for these would mix two configs in one result. Knobs that
+# change only speed or placement (workers per env, batch sizes of queries, compilation, GL
+# backend, caches) are left out, so that a stage may still be rerun with them changed.
+MADE_UNDER: dict[str, tuple[str, ...]] = {
+    "rollout": (
+        "seed",
+        "policy.backend",
+        "policy.base_checkpoint",
+        "rollout.workers",
+        "rollout.groups",
+        "rollout.group_size",
+        "rollout.video_sft_share",
+        "rollout.oversample_temperature",
+        "rollout.suites",
+        "sampler.K",
+        "sampler.noise_a",
+        "sampler.shift",
+        "sampler.amp",
+        "env.render_size",
+        "env.settle_steps",
+        "env.replan_steps",
+        "env.max_macro_steps",
+        "env.msaa",
+    ),
+    # All of reward/ but imagine_batch (how many steps share one device call).
+    "reward": tuple(
+        f"reward.{k}"
+        for k in (
+            "beta",
+            "gamma",
+            "gamma_libero_10",
+            "rec_clip",
+            "world_model",
+            "imagine_steps",
+            "filter",
+            "zero_spread_eps",
+        )
+    ),
+}
+# Keys no artifact depends on (they pick the Snakemake targets): a resumed run may change them.
+FREE_KEYS = ("pipeline",)
+_ABSENT = "(absent)"
+
+
+def flatten(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in prefixes)
+
+
+def config_diff(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    keys: Iterable[str] | None = None,
+    ignore: Iterable[str] = (),
+) -> list[str]:
+    """`key: old -> new` for every differing leaf (only under the dotted prefixes `keys`,
+    none under those in `ignore`)."""
+    a, b = flatten(old), flatten(new)
+    wanted = tuple(keys) if keys is not None else None
+    skip = tuple(ignore)
+    lines = []
+    for k in sorted(set(a) | set(b)):
+        if (wanted is not None and not _under(k, wanted)) or _under(k, skip):
+            continue
+        va, vb = a.get(k, _ABSENT), b.get(k, _ABSENT)
+        if va != vb:
+            lines.append(f"{k}: {va!r} -> {vb!r}")
+    return lines
+
+
+def check_made_under(cfg: Mapping[str, Any], recorded: Any, artifact: str, source: Path) -> None:
+    """Raise ConfigError (naming `source` and each differing key) unless the config that
+    `source` recorded agrees with `cfg` on what an `artifact` depends on (MADE_UNDER)."""
+    if not isinstance(recorded, Mapping):
+        raise ConfigError(
+            f"{source}: records no config, so it cannot be checked against this run's "
+            f"(written by an older wamrl? rerun the stage that makes it)"
+        )
+    diff = config_diff(recorded, cfg, MADE_UNDER[artifact])
+    if diff:
+        raise ConfigError(
+            f"{source} was made under another config than this stage runs with "
+            "(recorded -> now):\n  " + "\n  ".join(diff) + "\nRerun the stage that makes it "
+            "under this config, or run this stage under the recorded one."
+        )

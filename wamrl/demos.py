@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,13 @@ from typing import Any
 import numpy as np
 import zarr
 
+from wamrl.atomic import make_temp_dir, replace_dir
 from wamrl.envs.conventions import stats_entry
 from wamrl.store import (
     _FLOAT_CODEC,
     _IMAGE_CODEC,
     _SMALL_CODEC,
     StoreError,
-    _replace_dir,
     checksummed,
     read_array,
 )
@@ -168,10 +167,9 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
     if not demos:
         raise ValueError(f"{path}: no successful demonstrations to write")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     E = len(demos)
     S = max(d.length for d in demos)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = make_temp_dir(path, 0o755)
     try:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.attrs.update(
@@ -214,7 +212,7 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
             img[i, : len(d.images)] = d.images
             frm[i, : len(d.frames)] = d.frames
         root.attrs["complete"] = True
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

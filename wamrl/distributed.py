@@ -96,7 +96,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def _entry(r: int, fn: Callable[..., Any], devices: list[str], args: tuple) -> None:
+def _entry(
+    r: int, fn: Callable[..., Any], devices: list[str], args: tuple, parent_pid: int
+) -> None:
+    from wamrl.lifetime import die_with_parent
+
+    die_with_parent(parent_pid)  # a rank must not outlive a killed stage
     device = torch.device(devices[r])
     if device.type == "cpu":
         # n processes share the box's cores: do not oversubscribe them n-fold.
@@ -121,7 +126,7 @@ def launch(fn: Callable[..., Any], devices: list[torch.device], *args: Any) -> N
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
     names = [str(d) for d in devices]
-    mp.spawn(_entry, args=(fn, names, args), nprocs=len(devices), join=True)
+    mp.spawn(_entry, args=(fn, names, args, os.getpid()), nprocs=len(devices), join=True)
 
 
 # ---- collectives used by ppo.actor_update ---------------------------------------------------

@@ -39,3 +39,35 @@ def world_model_dir(run_dir: Path, iteration: int) -> Path:
 
 def eval_json(run_dir: Path, iteration: int) -> Path:
     return iter_dir(run_dir, iteration) / "eval.json"
+
+
+def eval_videos_dir(run_dir: Path, iteration: int) -> Path:
+    return iter_dir(run_dir, iteration) / "eval_videos"
+
+
+def stage_outputs(
+    stage: str, run_dir: Path, iteration: int = 0, worker: int = 0, workers: int = 1
+) -> list[Path]:
+    """What a stage writes (the paths it alone owns), so that it can settle the leftovers
+    of a killed earlier run of itself before it starts (atomic.settle): each path's own
+    .NAME.tmp-* and .NAME.old-*, nothing else. The reward stage owns reward/ in every shard."""
+    run_dir = Path(run_dir)
+    if stage == "rollout":
+        return [shard_path(run_dir, iteration, worker)]
+    if stage == "reward":
+        shards = shard_paths(run_dir, iteration, workers)
+        return [reward_done(run_dir, iteration), *(s / "reward" for s in shards)]
+    if stage == "actor":
+        return [actor_dir(run_dir, iteration)]
+    if stage == "world_model":
+        return [world_model_dir(run_dir, iteration)]
+    if stage in ("merge", "init"):
+        return [policy_dir(run_dir, iteration)]
+    if stage == "eval":
+        return [eval_json(run_dir, iteration), eval_videos_dir(run_dir, iteration)]
+    if stage == "demos":
+        return [run_dir / "demos" / f"shard_{worker:03d}.zarr"]
+    if stage == "sft":
+        sft = run_dir / "sft"
+        return [sft / "policy", sft / "snapshot", sft / "log.json"]
+    raise ValueError(f"unknown stage {stage!r}")

@@ -355,6 +355,7 @@ def run_reward(
         "iteration_groups_kept": result.summary["groups_kept"],
         "iteration_groups_total": result.summary["groups_total"],
         "world_model": world_model,
+        "config": cfg,  # what the actor checks its own reward settings against
     }
     for path, arrs, kept in zip(shard_paths, result.arrays, result.group_kept, strict=True):
         store.write_reward_group(path, arrs, kept, attrs)

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,9 @@ import google_crc32c
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
+
+from wamrl import faults
+from wamrl.atomic import leftovers, make_temp_dir, replace_dir, settle
 
 # Snakemake drops a `.snakemake_timestamp` file into every directory output (a store here);
 # it is not part of the hierarchy and zarr's warning about it would only be noise.
@@ -273,18 +275,6 @@ def _checked(name: str, x: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np
     return x.astype(dtype, copy=False)
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move `tmp` to `final`, replacing an existing `final` (two renames on one filesystem)."""
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-        old.rmdir()
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-
-
 class ShardWriter:
     """Write one shard episode by episode into a hidden temporary store; close() publishes it.
 
@@ -314,9 +304,8 @@ class ShardWriter:
             raise ValueError(f"attrs K={attrs['K']} disagrees with K={K}")
         self.path = Path(path)
         self.dims: Dims = (n_episodes, max_steps_T, K, max_video_steps)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
-        os.chmod(self.tmp, 0o755)  # mkdtemp's 0700 would survive the rename
+        # Settles what a killed writer of this shard left (its temp, a moved-aside old store).
+        self.tmp = make_temp_dir(self.path, 0o755)
         self._written: set[int] = set()
         self._closed = False
         try:
@@ -388,6 +377,7 @@ class ShardWriter:
             value = t if name == "length" else getattr(ep, name)
             a[f"episode/{name}"][i] = value
         self._written.add(i)
+        faults.point("episode")
 
     def close(self) -> None:
         """Validate, mark complete and atomically rename into place. Raises StoreError on problems."""
@@ -405,7 +395,8 @@ class ShardWriter:
                     + "\n- ".join(problems)
                 )
             self.root.attrs["complete"] = True  # last write before the rename
-            _replace_dir(self.tmp, self.path)
+            faults.point("filled")
+            replace_dir(self.tmp, self.path)
             self._closed = True
         except BaseException:
             self.abort()
@@ -448,15 +439,20 @@ def write_reward_group(
 ) -> None:
     """Write (or overwrite) `reward/` in a complete store.
 
-    Built as `reward.tmp` inside the store, then swapped in by renaming directories, so a
-    rerun replaces the old group whole and a crash leaves the old group or the new one.
+    Built as `.reward.tmp-*` inside the store, then swapped in by renaming directories
+    (atomic.replace_dir), so a rerun replaces the old group whole; a crash at any step leaves
+    a state that the next call (or the reward stage's start) settles to the old group or the
+    new one.
     Padding steps are stored as 0. attrs must hold beta, gamma, rec_mean, rec_std,
     world_model; groups_kept / groups_total are added from group_kept and episode/group.
     """
     path = Path(path)
-    tmp_dir, final_dir = path / "reward.tmp", path / "reward"
+    final_dir = path / "reward"
     if path.is_dir():
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of an interrupted run
+        # A killed earlier run may have left .reward.tmp-* or moved the old group aside
+        # (.reward.old-*): settle restores a complete reward/ and deletes the rest.
+        settle(final_dir)
+        shutil.rmtree(path / "reward.tmp", ignore_errors=True)  # its name before .reward.tmp-*
     # Check only the rollout's part: a broken old reward/ group is what a rerun replaces.
     problems = validate_store(path, include_reward=False)
     if problems:
@@ -492,8 +488,31 @@ def write_reward_group(
         "groups_total": len(set(groups.tolist())),
         "complete": True,
     }
-    dims = (E, T, K, 1)
-    tmp_group = root.create_group("reward.tmp", attributes=group_attrs)
+    # Built as a hidden sibling group in the store (a group's zarr.json holds no path, so a
+    # rename moves it), then published by replace_dir: crash-safe at every step.
+    tmp_dir = make_temp_dir(final_dir, 0o755)
+    try:
+        _fill_reward_group(tmp_dir, clean, group_kept, group_attrs, (E, T, K, 1))
+        faults.point("filled")
+        replace_dir(tmp_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    problems = validate_store(path)
+    if problems:
+        raise StoreError(f"{path}: invalid after writing reward/:\n- " + "\n- ".join(problems))
+    faults.point("reward_group")
+
+
+def _fill_reward_group(
+    tmp_dir: Path,
+    clean: dict[str, np.ndarray],
+    group_kept: np.ndarray,
+    group_attrs: dict[str, Any],
+    dims: Dims,
+) -> None:
+    E = dims[0]
+    tmp_group = zarr.open_group(str(tmp_dir), mode="w", zarr_format=3, attributes=group_attrs)
     for name in REWARD_NAMES:
         spec = SPECS[f"reward/{name}"]
         arr = tmp_group.create_array(
@@ -519,14 +538,34 @@ def write_reward_group(
         config=_ARRAY_CONFIG,
     )
     arr[:] = group_kept
-    # Group directories carry no path inside their metadata, so a rename moves the group.
-    _replace_dir(tmp_dir, final_dir)
-    problems = validate_store(path)
-    if problems:
-        raise StoreError(f"{path}: invalid after writing reward/:\n- " + "\n- ".join(problems))
 
 
 # --------------------------------------------------------------------------- reading
+
+
+def check_made_under(
+    paths: Sequence[str | Path], cfg: dict[str, Any], with_reward: bool = False
+) -> None:
+    """Refuse stores made under another config than `cfg` (config.MADE_UNDER: the rollout's
+    keys from the root attrs, and with_reward the reward keys from reward/'s attrs), before
+    any work. A store too broken to read its attrs is left to validation, which says why."""
+    from wamrl.config import check_made_under as check
+
+    for path in paths:
+        try:
+            root = zarr.open_group(str(path), mode="r", zarr_format=3)
+            attrs = dict(root.attrs)
+        except Exception:
+            continue
+        if attrs.get("complete") is not True:
+            continue  # half-written: validation reports it
+        check(cfg, attrs.get("config"), "rollout", Path(path))
+        if with_reward:
+            try:
+                rattrs = dict(root["reward"].attrs)
+            except Exception:
+                continue
+            check(cfg, rattrs.get("config"), "reward", Path(path) / "reward")
 
 
 def open_store(path: str | Path, mode: str = "r", deep: bool = False) -> zarr.Group:
@@ -652,13 +691,10 @@ def validate_store(path: str | Path, deep: bool = False, include_reward: bool = 
     on a broken store (garbage, half-written, deleted or truncated chunk files)."""
     path = Path(path)
     if not path.exists():
-        tmps = (
-            sorted(p.name for p in path.parent.glob(f".{path.name}.tmp-*"))
-            if path.parent.exists()
-            else []
-        )
+        tmps = [p.name for p in leftovers(path)]
         hint = (
-            f" (a half-written temporary store {tmps[0]} lies next to it: its writer never finished)"
+            f" (a half-written {tmps[0]} lies next to it: its writer never finished; the "
+            "writer's next run settles it)"
             if tmps
             else ""
         )
@@ -709,8 +745,8 @@ def _validate_group(
         problems.append(f"contract array {p} is missing")
     for p in sorted(present - expected):
         what = (
-            "leftover of an interrupted write_reward_group (rerun the reward stage)"
-            if p.startswith("reward.tmp")
+            "leftover of an interrupted write_reward_group (the reward stage's next run settles it)"
+            if p.startswith(("reward.tmp", ".reward."))
             else "not in the contract"
         )
         problems.append(f"unexpected array {p}: {what}")

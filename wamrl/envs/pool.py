@@ -135,7 +135,13 @@ def _run_chunk(env: Any, ep: _Episode, actions: np.ndarray) -> tuple[dict[str, A
     return result, done
 
 
-def _worker_main(conn: Connection, cfg_env: dict[str, Any], seed: int) -> None:
+def _worker_main(
+    conn: Connection, cfg_env: dict[str, Any], seed: int, parent_pid: int | None = None
+) -> None:
+    if parent_pid is not None:  # first: a kill -9 of the stage takes this env down with it
+        from wamrl.lifetime import die_with_parent
+
+        die_with_parent(parent_pid)
     # The policy process answers every env's query, so its latency is every env's latency:
     # env workers (CPU-bound, often more of them than cores) run at a lower priority.
     os.nice(5)
@@ -228,7 +234,7 @@ class EnvPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child, self.cfg_env, self.seed + slot),
+            args=(child, self.cfg_env, self.seed + slot, os.getpid()),
             name=f"libero-env-{slot}",
             daemon=True,
         )
