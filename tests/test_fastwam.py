@@ -25,7 +25,7 @@ from wamrl.policy.base import Obs
 FASTWAM_CONFIG = CONFIG_DIR / "fastwam.yaml"
 SKIP_REASON = (
     "the official Fast-WAM package (import name `fastwam`) is not installed; it is an optional "
-    "dependency of the fastwam backend (README: 'A real Fast-WAM checkpoint')"
+    "dependency of the fastwam backend (docs/fastwam.md)"
 )
 
 
