@@ -6,7 +6,8 @@ iter_000/policy as the reference actor when actor.ref_kl > 0). Outputs, atomical
 actor.safetensors (the actor group's tensors, names as in policy.state_dict()),
 optimizer.safetensors + optimizer.json, metrics.json (with the resolved config), and
 master.safetensors (float32 master weights of the actor tensors stored in a lower precision,
-e.g. bf16 on `fastwam`; absent when all are float32). The next iteration restores a master
+e.g. bf16 on `fastwam`; absent when all are float32), and checkpoint.json (the sha256 of
+every file, checked by merge and the next actor). The next iteration restores a master
 when it rounds to exactly the merged checkpoint's weight, so updates smaller than a bf16
 ulp keep accumulating across iterations instead of being cut off at each merge.
 
@@ -24,7 +25,13 @@ from typing import Any
 import torch
 
 from wamrl import distributed, paths, store, tb
-from wamrl.artifact import load_tensors, read_json, save_tensors
+from wamrl.artifact import (
+    checkpoint_hashes,
+    load_tensors,
+    read_json,
+    save_tensors,
+    verify_checkpoint,
+)
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import check_made_under
 from wamrl.master import MasterWeightOptimizer
@@ -93,6 +100,8 @@ def _run(
     opt = MasterWeightOptimizer(params, lambda ps: torch.optim.Adam(ps, lr=lr))
     restored = masters_restored = 0
     prev_actor = paths.actor_dir(run_dir, iteration - 1)
+    if prev_actor.is_dir():
+        verify_checkpoint(prev_actor)  # Adam's state and masters as they were written
     if (prev_actor / "optimizer.safetensors").exists():
         restored = optimizer_from_tensors(
             opt.inner, names, load_tensors(prev_actor / "optimizer.safetensors", "Adam state")
@@ -134,4 +143,6 @@ def _run(
         if masters:
             save_tensors(masters, tmp / "master.safetensors")
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
+        # merge and the next actor check these before reading a tensor
+        write_json(tmp / "checkpoint.json", {**checkpoint_hashes(tmp), "iteration": iteration})
     tb.log_scalars(run_dir, "actor", iteration, lambda: tb.actor_scalars(metrics))

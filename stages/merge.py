@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from wamrl import paths
-from wamrl.artifact import checkpoint_hashes, load_tensors
+from wamrl.artifact import checkpoint_hashes, load_tensors, verify_checkpoint
 from wamrl.atomic import atomic_dir, sha256_file, write_json
 
 COPIED = ("context.safetensors", "stats.json")
@@ -26,6 +26,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
     actor_file = paths.actor_dir(run_dir, iteration) / "actor.safetensors"
     lora_file = paths.world_model_dir(run_dir, iteration) / "lora.safetensors"
+    for f in (actor_file, lora_file):  # a changed tensor would be merged into the new policy
+        verify_checkpoint(f.parent)
     policy = load_policy(prev_dir, device="cpu")
     state = policy.state_dict()
     new: dict[str, Any] = {}

@@ -4,7 +4,8 @@ Inputs: the shards' successful video-SFT episodes, iter_{n-1}/policy (trained),
 iter_000/policy (frozen reference for the feature KL), and iter_{n-1}/world_model/
 sigma_ref + ema if an earlier iteration estimated them. Outputs, atomically:
 lora.safetensors (names as in policy.state_dict()), sigma_ref.safetensors,
-ema.safetensors, metrics.json (with the resolved config). With no usable window the
+ema.safetensors, metrics.json (with the resolved config), checkpoint.json (the sha256 of
+every file, checked by merge and the next iteration). With no usable window the
 LoRA is written unchanged and metrics say why.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from wamrl import paths, store, tb
-from wamrl.artifact import load_tensors, save_tensors
+from wamrl.artifact import checkpoint_hashes, load_tensors, save_tensors, verify_checkpoint
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.conventions import Normalizer
 from wamrl.ppo import param_names
@@ -69,6 +70,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     )
 
     prev_wm = paths.world_model_dir(run_dir, iteration - 1)
+    if prev_wm.is_dir():
+        verify_checkpoint(prev_wm)  # the carried Sigma estimates as they were written
     sigma_ref = _load_vector(prev_wm / "sigma_ref.safetensors", "sigma_ref")
     sigma_theta = _load_vector(prev_wm / "ema.safetensors", "sigma_theta")
     metrics, sigma_ref, sigma_theta = world_model_update(
@@ -90,4 +93,6 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         _save_vector(tmp / "sigma_ref.safetensors", "sigma_ref", sigma_ref)
         _save_vector(tmp / "ema.safetensors", "sigma_theta", sigma_theta)
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
+        # merge and the next iteration check these before reading a tensor
+        write_json(tmp / "checkpoint.json", {**checkpoint_hashes(tmp), "iteration": iteration})
     tb.log_scalars(run_dir, "world_model", iteration, lambda: tb.world_model_scalars(metrics))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zarr
 from rich.console import Console
+from test_learner import run_after_reward  # noqa: F401 - a fixture: synthetic stores + reward
 from test_store import REWARD_ATTRS, _chunk_file, _reward_arrays, make_episodes, write_store
 from zarr.codecs import Crc32cCodec
 
@@ -329,3 +330,38 @@ def test_verify_run_finds_each_damaged_artifact(tmp_path: Path) -> None:
     ]
     out = CliRunner().invoke(app, ["verify", str(run)])
     assert out.exit_code == 1 and "5/9 artifacts intact" in out.output
+
+
+def test_merge_refuses_a_changed_actor_or_lora_tensor(run_after_reward) -> None:  # noqa: F811
+    """actor/ and world_model/ record their files' sha256 (checkpoint.json): merge checks
+    them, so a flipped byte is refused, not laundered into a new policy's recorded hash."""
+    import shutil
+
+    import stages.actor
+    import stages.merge
+    import stages.world_model
+    from wamrl import paths
+    from wamrl.artifact import ArtifactError
+    from wamrl.verify import verify_run
+
+    run, cfg = run_after_reward
+    stages.actor.main(cfg, run, 1)
+    stages.world_model.main(cfg, run, 1)
+    for d in (paths.actor_dir(run, 1), paths.world_model_dir(run, 1)):
+        files = json_of(d / "checkpoint.json")["files"]
+        assert "metrics.json" in files and any(f.endswith(".safetensors") for f in files)
+    for f in (
+        paths.actor_dir(run, 1) / "actor.safetensors",
+        paths.world_model_dir(run, 1) / "lora.safetensors",
+    ):
+        intact = f.read_bytes()
+        _flip_tensor_data(f)
+        with pytest.raises(ArtifactError, match=rf"{f.name}: sha256 .* differs"):
+            stages.merge.main(cfg, run, 1)
+        assert not paths.policy_dir(run, 1).exists()
+        problems = [p for _, p in verify_run(run) if p is not None]
+        assert len(problems) == 1 and f.name in problems[0]
+        f.write_bytes(intact)
+    stages.merge.main(cfg, run, 1)
+    assert (paths.policy_dir(run, 1) / "checkpoint.json").is_file()
+    shutil.rmtree(paths.policy_dir(run, 1))

@@ -106,15 +106,17 @@ CHECKPOINT = "checkpoint.json"
 
 
 def checkpoint_hashes(directory: str | Path) -> dict[str, Any]:
-    """What a policy directory's checkpoint.json records of its files: "sha256" (of
+    """What a directory's checkpoint.json records of its files: "sha256" (of a policy's
     model.safetensors, the key eval.json and the stores quote) and "files" (every other
-    file's sha256). Call it last, when the directory holds everything but checkpoint.json."""
+    file's sha256; actor/ and world_model/ record only these). Call it last, when the
+    directory holds everything but checkpoint.json."""
     directory = Path(directory)
     files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKPOINT)
-    return {
-        "sha256": sha256_file(directory / "model.safetensors"),
-        "files": {n: sha256_file(directory / n) for n in files if n != "model.safetensors"},
-    }
+    out: dict[str, Any] = {}
+    if "model.safetensors" in files:
+        out["sha256"] = sha256_file(directory / "model.safetensors")
+    out["files"] = {n: sha256_file(directory / n) for n in files if n != "model.safetensors"}
+    return out
 
 
 def verify_checkpoint(directory: str | Path) -> None:
