@@ -126,9 +126,17 @@ rule sft:
         "{WAMRL} sft --run-dir . 2>&1 | tee {log}"
 
 
+def previous_rollouts(wc):
+    # The plan's per-task rates come from iteration n-1's rollout success (wamrl.plan);
+    # ancient(): rerunning n-1's rollouts alone does not redo every later iteration.
+    n = int(wc.it) - 1
+    return [ancient(f"iter_{n:03d}/rollouts/shard_{w:03d}.zarr") for w in range(W)] if n else []
+
+
 rule rollout:
     input:
         policy=lambda wc: policy_of(prev(wc)),
+        previous=previous_rollouts,
     output:
         directory("iter_{it}/rollouts/shard_{w}.zarr"),
     threads: CFG["rollout"]["envs_per_worker"]

@@ -18,14 +18,13 @@ and statistics); rank 0 alone writes actor/ and the TensorBoard scalars.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from wamrl import distributed, paths, store, tb
+from wamrl.artifact import load_tensors, read_json, save_tensors
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import check_made_under
 from wamrl.master import MasterWeightOptimizer
@@ -66,7 +65,7 @@ def _run(
     from wamrl.policy.text import load_contexts
 
     done_path = paths.reward_done(run_dir, iteration)
-    done = json.loads(done_path.read_text())
+    done = read_json(done_path, "the reward stage's record")
     shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
     # Before any work: the rollouts and their rewards were made under this run's settings.
     check_made_under(cfg, done.get("config"), "reward", done_path)
@@ -96,15 +95,28 @@ def _run(
     prev_actor = paths.actor_dir(run_dir, iteration - 1)
     if (prev_actor / "optimizer.safetensors").exists():
         restored = optimizer_from_tensors(
-            opt.inner, names, load_file(prev_actor / "optimizer.safetensors")
+            opt.inner, names, load_tensors(prev_actor / "optimizer.safetensors", "Adam state")
         )
     if opt.num_masters and (prev_actor / "master.safetensors").exists():
-        masters_restored = opt.load_masters(names, load_file(prev_actor / "master.safetensors"))
+        masters_restored = opt.load_masters(
+            names, load_tensors(prev_actor / "master.safetensors", "master weights")
+        )
 
     metrics = actor_update(
         policy, ref, data, cfg, opt, device=device, seed=int(cfg["seed"]) * 1000 + iteration
     )
     metrics["optimizer_state_restored_params"] = restored
+    # Adam's moments carry over from iteration n-1's actor/ (not a declared input: the DAG
+    # must not wait on it). Without it Adam starts from zero: said here, not silent.
+    metrics["optimizer_reset"] = iteration > 1 and restored == 0
+    metrics["optimizer_state_from"] = (
+        str(prev_actor / "optimizer.safetensors") if restored else None
+    )
+    if metrics["optimizer_reset"]:
+        print(
+            f"optimizer_reset: no Adam state in {prev_actor / 'optimizer.safetensors'}: "
+            "Adam's moments start from zero this iteration"
+        )
     metrics["master_weights_params"] = opt.num_masters
     metrics["master_weights_restored_params"] = masters_restored
     metrics["devices"] = distributed.world_size()
@@ -116,10 +128,10 @@ def _run(
     opt_tensors, opt_meta = optimizer_to_tensors(opt.inner, names)  # keyed as before: "Adam"
     masters = opt.master_tensors(names)
     with atomic_dir(paths.actor_dir(run_dir, iteration)) as tmp:
-        save_file(actor_tensors, str(tmp / "actor.safetensors"))
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_tensors(actor_tensors, tmp / "actor.safetensors")
+        save_tensors(opt_tensors, tmp / "optimizer.safetensors")
         write_json(tmp / "optimizer.json", opt_meta)
         if masters:
-            save_file(masters, str(tmp / "master.safetensors"))
+            save_tensors(masters, tmp / "master.safetensors")
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
     tb.log_scalars(run_dir, "actor", iteration, lambda: tb.actor_scalars(metrics))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from wamrl.artifact import read_json
 from wamrl.atomic import atomic_dir
 from wamrl.policy.fastwam import PROMPT_FALLBACK, check_file, config_from_run
 
@@ -122,7 +123,7 @@ def task_contexts(
     meta = _meta(cfg, tasks)
     info = out / "context.json"
     fresh = (out / CONTEXT_FILE).is_file() and info.is_file()
-    if fresh and json.loads(info.read_text()) == meta:
+    if fresh and read_json(info, "the context cache's record") == meta:
         return load_contexts(out / CONTEXT_FILE)
     write_contexts(cfg, out, tasks, encoder)
     return load_contexts(out / CONTEXT_FILE)

@@ -19,7 +19,6 @@ iter_n/eval_videos/.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from wamrl import faults, paths
+from wamrl.artifact import read_json
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import resolve_path
 from wamrl.envs.tasks import Task, tasks_in_suites
@@ -86,7 +86,7 @@ def reference_rates(cfg: dict[str, Any], tasks: list[Task]) -> dict[str, Any] | 
     path = resolve_path(base) / "eval.json"
     if not path.is_file():
         return None
-    ref = json.loads(path.read_text())
+    ref = read_json(path, "the base checkpoint's eval", keys=("tasks",))
     rates = {t.name: ref["tasks"][t.name]["success_rate"] for t in tasks if t.name in ref["tasks"]}
     return {"source": str(base), "episodes_per_task": ref.get("episodes_per_task"), "tasks": rates}
 
@@ -142,7 +142,7 @@ def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     set_gl_backend(cfg)
-    from stages.reward import checkpoint_sha256
+    from wamrl.artifact import checkpoint_sha256
     from wamrl.envs.pool import EnvPool
     from wamrl.rollout import EpisodeSpec, SamplerSettings, load_for_queries, run_episodes
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wamrl import paths
+from wamrl.artifact import checkpoint_hashes
 from wamrl.atomic import atomic_dir, sha256_file, write_json
 from wamrl.config import resolve_path
 from wamrl.envs.conventions import Normalizer
@@ -91,7 +92,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
         write_json(
             tmp / "checkpoint.json",
             {
-                "sha256": sha256_file(tmp / "model.safetensors"),
+                **checkpoint_hashes(tmp),  # load_policy checks them before every use
                 "iteration": 0,
                 **source,
                 "config": cfg,

@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
-
 from wamrl import paths
+from wamrl.artifact import checkpoint_hashes, load_tensors
 from wamrl.atomic import atomic_dir, sha256_file, write_json
 
 COPIED = ("context.safetensors", "stats.json")
@@ -31,7 +30,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     state = policy.state_dict()
     new: dict[str, Any] = {}
     for f in (actor_file, lora_file):
-        for name, t in load_file(str(f)).items():
+        for name, t in load_tensors(f).items():
             if name not in state:
                 raise KeyError(f"{f}: tensor {name!r} is not in the policy's state_dict")
             if tuple(state[name].shape) != tuple(t.shape):
@@ -55,7 +54,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         write_json(
             tmp / "checkpoint.json",
             {
-                "sha256": sha256_file(tmp / "model.safetensors"),
+                **checkpoint_hashes(tmp),  # load_policy checks them before every use
                 "iteration": iteration,
                 "parents": {
                     "policy": parent(prev_dir / "model.safetensors"),

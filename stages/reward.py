@@ -7,24 +7,14 @@ frozen = iter_000/policy). Outputs: group reward/ in each shard, then iter_n/rew
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from wamrl import paths, store, tb
-from wamrl.atomic import sha256_file, write_json
+from wamrl.artifact import checkpoint_sha256
+from wamrl.atomic import write_json
 from wamrl.reward import check_success_dominates, run_reward
 from wamrl.runtime import pick_device
-
-
-def checkpoint_sha256(policy_dir: Path) -> str:
-    """The checkpoint's recorded sha256, else the hash of its model.safetensors."""
-    ck = Path(policy_dir) / "checkpoint.json"
-    if ck.exists():
-        sha = json.loads(ck.read_text()).get("sha256")
-        if sha:
-            return str(sha)
-    return sha256_file(Path(policy_dir) / "model.safetensors")
 
 
 def world_model_dir(cfg: dict[str, Any], run_dir: Path, iteration: int) -> tuple[str, Path]:

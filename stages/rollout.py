@@ -2,7 +2,8 @@
 
 Input iter_{n-1}/policy; output iter_n/rollouts/shard_{w}.zarr (written to a temporary
 path and renamed when complete). Groups are planned identically by every worker (hard-task
-oversampling from the newest eval) and group g goes to worker g mod W.
+oversampling from iteration n-1's rollout success, wamrl.plan) and group g goes to worker
+g mod W; the plan's rates are recorded in the store's attrs["plan"].
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from wamrl import paths, tb
 from wamrl.envs.tasks import tasks_in_suites
-from wamrl.plan import recent_success, rollout_plan, shard_specs
+from wamrl.plan import make_plan, shard_specs
 from wamrl.runtime import pick_device, set_gl_backend
 
 
@@ -32,7 +33,7 @@ def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> None:
     set_gl_backend(cfg)
-    from stages.reward import checkpoint_sha256
+    from wamrl.artifact import checkpoint_sha256
     from wamrl.envs.pool import EnvPool
     from wamrl.rollout import SamplerSettings, load_for_queries, run_episodes
     from wamrl.store import ShardWriter, read_episode_table
@@ -48,8 +49,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
 
     candidates = tasks_in_suites(cfg["rollout"]["suites"])
-    success = recent_success(run_dir, iteration, candidates)
-    specs = shard_specs(rollout_plan(cfg, iteration, candidates, success), worker, W)
+    plan, plan_record = make_plan(cfg, run_dir, iteration, candidates)
+    specs = shard_specs(plan, worker, W)
     T, Tv = episode_limits(cfg, [s.task for s in specs])
     device = pick_device(cfg, "rollout")
     torch.set_num_threads(1)  # the cores belong to the env processes
@@ -62,6 +63,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
         "policy_checkpoint": str(policy_dir),
         "policy_sha256": checkpoint_sha256(policy_dir),
         "config": cfg,
+        "plan": plan_record,  # the rates behind the plan: plan.plan_from_attrs recomputes it
     }
     env_cfg = dict(cfg["env"])
     # The pool first: its processes import LIBERO while this one loads the policy.
@@ -87,6 +89,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 on_episode=writer.write_episode,
                 device=device,
                 description=f"rollout iter {iteration} shard {worker}",
+                # with each episode's own noise seed: a rerun gives the same bits
+                fixed_batch=cfg["rollout"]["fixed_batch"],
             )
     shard = paths.shard_path(run_dir, iteration, worker)
     tb.log_scalars(

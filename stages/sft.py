@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from wamrl.atomic import atomic_dir, sha256_file, write_json
+from wamrl.artifact import checkpoint_hashes
+from wamrl.atomic import atomic_dir, write_json
 
 
 def main(cfg: dict[str, Any], run_dir: Path) -> None:
@@ -58,7 +59,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
             write_json(
                 tmp / "checkpoint.json",
                 {
-                    "sha256": sha256_file(tmp / "model.safetensors"),
+                    **checkpoint_hashes(tmp),  # load_policy checks them before every use
                     "source": "sft",
                     "sft_steps": step,
                     "demo_episodes": len(demos),

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from wamrl import paths, store, tb
+from wamrl.artifact import load_tensors, save_tensors
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.conventions import Normalizer
 from wamrl.ppo import param_names
@@ -28,13 +28,13 @@ def _load_vector(path: Path, key: str) -> torch.Tensor | None:
     """A carried Sigma vector, or None if absent (or written empty: never estimated)."""
     if not path.exists():
         return None
-    return load_file(str(path)).get(key)
+    return load_tensors(path, "a carried Sigma estimate").get(key)
 
 
 def _save_vector(path: Path, key: str, v: torch.Tensor | None) -> None:
     tensors = {} if v is None else {key: v.detach().cpu().float().contiguous()}
-    save_file(
-        tensors, str(path), metadata={"status": "estimated" if v is not None else "not_estimated"}
+    save_tensors(
+        tensors, path, metadata={"status": "estimated" if v is not None else "not_estimated"}
     )
 
 
@@ -86,7 +86,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     state = policy.state_dict()
     lora_tensors = {n: state[n].detach().cpu().contiguous() for n in param_names(policy, lora)}
     with atomic_dir(paths.world_model_dir(run_dir, iteration)) as tmp:
-        save_file(lora_tensors, str(tmp / "lora.safetensors"))
+        save_tensors(lora_tensors, tmp / "lora.safetensors")
         _save_vector(tmp / "sigma_ref.safetensors", "sigma_ref", sigma_ref)
         _save_vector(tmp / "ema.safetensors", "sigma_theta", sigma_theta)
         write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})

@@ -43,7 +43,9 @@ def test_seed_table_defaults_match_the_design():
 def test_overrides_merge_deeply(tmp_path):
     f = tmp_path / "over.yaml"
     f.write_text("actor: {lr: 3.0e-5}\n")
-    cfg = load_config([f], parse_overrides(["sampler.K=10", "eval.suites=[libero_10]"]))
+    cfg = load_config(
+        [f], parse_overrides(["sampler.K=10", "eval.suites=[libero_10]", "eval.tasks=null"])
+    )
     assert cfg["actor"]["lr"] == 3e-5 and cfg["actor"]["epochs"] == 2
     assert cfg["sampler"]["K"] == 10 and cfg["eval"]["suites"] == ["libero_10"]
 

@@ -102,3 +102,23 @@ def test_forced_reward_rerun_is_identical(run):
         json.loads(paths.reward_done(run, 1).read_text())["groups_kept"]
         == json.loads(done)["groups_kept"]
     )
+
+
+def test_plan_optimizer_and_every_artifact_check_out(run):
+    """Iteration 2's plan came from iteration 1's rollouts (recorded in the store attrs),
+    iteration 2's actor restored Adam's state, and `wamrl verify` passes the whole run."""
+    from wamrl.plan import plan_from_attrs
+    from wamrl.verify import verify_run
+
+    for w in range(2):
+        attrs = dict(zarr.open_group(str(paths.shard_path(run, 2, w)), mode="r").attrs)
+        assert attrs["plan"]["source"] == [
+            f"iter_001/rollouts/shard_{v:03d}.zarr" for v in range(2)
+        ]
+        assert sum(attrs["plan"]["episodes"]) == 4  # micro: 2 groups x G = 2 in iteration 1
+        groups = zarr.open_group(str(paths.shard_path(run, 2, w)), mode="r")["episode/group"][:]
+        assert sorted({s.group for s in plan_from_attrs(attrs, w)}) == sorted(set(groups.tolist()))
+    metrics = json.loads((paths.actor_dir(run, 2) / "metrics.json").read_text())
+    assert metrics["optimizer_reset"] is False and metrics["optimizer_state_restored_params"] > 0
+    results = verify_run(run)
+    assert len(results) > 20 and [r for r in results if r[1] is not None] == []

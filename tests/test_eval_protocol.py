@@ -17,10 +17,17 @@ from torch import Tensor, nn
 from stages.eval import Protocol, episode_noise, reference_rates, resolve_protocol, success_table
 from wamrl.config import DEFAULT_CONFIG, load_config
 from wamrl.envs.tasks import load_tasks
-from wamrl.rollout import EpisodeSpec, _eval_noise, _Running
+from wamrl.rollout import EpisodeSpec, _episode_noise, _Running
 from wamrl.sampler import official_sigmas, sample_chunk, sigma_schedule
 
 FASTWAM = DEFAULT_CONFIG.parent / "fastwam.yaml"
+
+
+def _eval_noise(ep: _Running) -> Tensor:
+    """x_0 of an eval episode's next query (a = 0: no k*, no SDE noise drawn)."""
+    x0, k_star, xi = _episode_noise(ep, 20, 0.0)
+    assert k_star == 0 and not xi.any()
+    return x0
 
 
 def official_x0() -> Tensor:
@@ -71,6 +78,23 @@ def test_wamrl_noise_is_fresh_per_query_and_reproducible_per_episode() -> None:
     assert not torch.equal(first, second)  # the episode's generator moves on
     assert torch.equal(first, _eval_noise(b)) and torch.equal(second, _eval_noise(b))
     assert not torch.equal(first, _eval_noise(running(wamrl, 21, 1)))  # another episode
+
+
+def test_rollout_noise_is_drawn_per_episode() -> None:
+    """a > 0: x_0, k* and the SDE noise of a query come from the episode's own generator, in
+    that order; the same seed gives the same numbers whatever else was drawn meanwhile."""
+    wamrl = resolve_protocol(load_config())
+    a, b = running(wamrl, 21, 0), running(wamrl, 21, 0)
+    first = _episode_noise(a, 8, 0.5)
+    _episode_noise(running(wamrl, 27, 3), 8, 0.5)  # another episode's query in between
+    again = _episode_noise(b, 8, 0.5)
+    assert 1 <= first[1] <= 7 and first[1] == again[1]
+    assert torch.equal(first[0], again[0]) and torch.equal(first[2], again[2])
+    g = torch.Generator().manual_seed(a.spec.noise_seed)  # the order: x_0, k*, xi
+    x0 = torch.randn(32, 7, generator=g)
+    k = int(torch.randint(1, 8, (1,), generator=g))
+    assert torch.equal(first[0], x0) and first[1] == k
+    assert torch.equal(first[2], torch.randn(32, 7, generator=g))
 
 
 def test_official_sigma_schedule_at_k10() -> None:

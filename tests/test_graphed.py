@@ -40,6 +40,43 @@ def test_static_path_equals_sample_chunk(a: float) -> None:
         assert (out.logp != 0).all()  # every row had its SDE step
 
 
+def _per_row_noise(n: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(n, 32, 7, generator=g)
+    return x0, torch.randint(1, K, (n,), generator=g), torch.randn(n, 32, 7, generator=g)
+
+
+def test_per_row_noise_by_hand_and_through_the_graph_path() -> None:
+    """Per-episode noise (wamrl.rollout): rows carry their own x_0, k* and SDE noise xi.
+    The SDE step is mu + std * xi at k* (checked by hand on one row), the static (graph)
+    path gives sample_chunk's numbers, and no generator is drawn from."""
+    from wamrl.sampler import gaussian_log_prob, sde_mean_std, sigma_schedule
+
+    policy, obs = _policy_and_obs(4)
+    K, a = 6, 0.5
+    x0, k_star, xi = _per_row_noise(4, K)
+    with torch.no_grad():
+        cache = policy.prefill(obs)
+        ref = sample_chunk(policy, cache, 4, K, a, 5.0, None, x0=x0, k_star=k_star, xi=xi)
+        # row 0 by hand: ODE steps up to k*, then mu + std xi, its log-density the logp
+        k = int(k_star[0])
+        sig = sigma_schedule(K, 5.0)
+        x = ref.chain[:, k]
+        v = policy.velocity(cache, x, sig[k].expand(4))
+        mu, std = sde_mean_std(x, v, sig[k], sig[k + 1], a)
+    want = mu[0] + std[0] * xi[0]
+    torch.testing.assert_close(ref.chain[0, k + 1], want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        ref.logp[:1], gaussian_log_prob(want[None], mu[:1], std[:1]), rtol=0, atol=1e-4
+    )
+    assert torch.equal(ref.chain[:, 0], x0) and torch.equal(ref.k_star, k_star)
+    sampler = GraphedSampler(policy, K=K, a=a, shift=5.0, max_batch=4)
+    out = sampler.query(obs, None, x0=x0, k_star=k_star, xi=xi)
+    assert torch.equal(out.k_star, k_star)
+    torch.testing.assert_close(out.chain, ref.chain, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.logp, ref.logp, rtol=0, atol=1e-4)
+
+
 def test_draw_noise_leaves_the_generator_where_sample_chunk_does() -> None:
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     policy, obs = _policy_and_obs(4)
@@ -248,6 +285,36 @@ def test_a_row_of_a_fixed_size_batch_does_not_depend_on_the_others() -> None:
             return sample_chunk(policy, policy.prefill(obs), 6, 20, 0.0, 5.0, None, x0=x0).chain
 
     _rows_alone_in_fixed_batches("cpu", query)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rollout_rows_with_their_own_noise_do_not_depend_on_the_others(device: str) -> None:
+    """Rollouts (a > 0) in fixed-size batches (rollout.fixed_batch): with per-row x_0, k*
+    and xi as graph inputs, a row's chain and log pi are the same bits whichever rows share
+    its batch and wherever it sits (CPU: one torch thread, the stages' setting)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    policy, obs = _policy_and_obs(6)
+    policy, obs = policy.to(device), obs.to(device)
+    x0, k_star, xi = _per_row_noise(6, 8)
+    sampler = GraphedSampler(policy, 8, 0.5, 5.0, 6, fixed_batch=True)
+
+    def run(rows: list[int]):
+        i = torch.tensor(rows)
+        o = Obs(*(t[i.to(device)] for t in (obs.image, obs.proprio, obs.context, obs.context_mask)))
+        return sampler.query(o, None, x0=x0[i].to(device), k_star=k_star[i], xi=xi[i])
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = run([0, 1, 2, 3, 4, 5])
+        for rows in ([5, 3, 1, 0, 2, 4], [2, 2, 2, 2, 2, 2], [4, 0, 0, 0, 0, 0]):
+            out = run(rows)
+            for j, r in enumerate(rows):
+                assert torch.equal(out.chain[j], ref.chain[r]), (rows, j)
+                assert torch.equal(out.logp[j], ref.logp[r]), (rows, j)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -10,6 +10,7 @@
     wamrl merge   --iter 3              -> iter_003/policy
     wamrl eval    --iter 3              -> iter_003/eval.json
     wamrl inspect iter_003/rollouts/shard_000.zarr
+    wamrl verify RUN_DIR                every artifact's checksums, sha256s and headers
     wamrl report RUN_DIR [--out DIR]    curves, health, videos -> DIR/index.html
     wamrl status RUN_DIR                one screen: stages done, KL, evals, the next job
     wamrl config                        print the resolved config (validated)
@@ -138,6 +139,25 @@ def inspect(
     from wamrl.inspect import inspect_store
 
     raise typer.Exit(inspect_store(store, deep=not quick))
+
+
+@app.command()
+def verify(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory")],
+    deep: Annotated[bool, typer.Option(help="also decompress every store chunk")] = False,
+) -> None:
+    """Check every artifact of a run (stores' checksums and contract, checkpoints' sha256,
+    JSON and safetensors headers); exits 1 naming each damaged one (docs/integrity.md)."""
+    from wamrl.verify import verify_run
+
+    results = verify_run(run_dir, deep=deep)
+    for name, problem in results:
+        typer.echo(
+            f"{'ok ' if problem is None else 'BAD'} {name}" + (f": {problem}" if problem else "")
+        )
+    bad = sum(problem is not None for _, problem in results)
+    typer.echo(f"{len(results) - bad}/{len(results)} artifacts intact under {run_dir}")
+    raise typer.Exit(1 if bad or not results else 0)
 
 
 @app.command()

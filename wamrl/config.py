@@ -8,6 +8,7 @@ A wrong key, type or range stops everything before any work, with the key's dott
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,28 @@ class ConfigError(ValueError):
     """A config that does not match the schema; the message names the key."""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 (PyYAML) reads `1e-5` (no dot) as a string; YAML 1.2, JSON and every user
+    read it as a float. Every config value (files, --set) is read with this loader."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary Python objects
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -92,7 +109,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
-        flat[key.strip()] = yaml.safe_load(raw)
+        flat[key.strip()] = load_yaml(raw)
     return expand_dotted(flat)
 
 
@@ -129,6 +146,14 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"rollout.groups ({r['groups']}) < rollout.workers ({r['workers']}): "
             "every shard needs at least one group"
         )
+    if cfg["policy"]["backend"] == "fastwam" and "fastwam" not in cfg["policy"]:
+        raise ConfigError(
+            "policy.fastwam: required with policy.backend fastwam (configs/fastwam.yaml sets it)"
+        )
+    if cfg["sampler"]["compile"] and not cfg["sampler"]["cuda_graphs"]:
+        # compile only changes what the CUDA graphs record: without them it would be ignored
+        raise ConfigError("sampler.compile: needs sampler.cuda_graphs true (it compiles the "
+                          "layers the graphs record)")  # fmt: skip
     low = [f"{k}.amp" for k in ("sampler", "actor") if cfg[k]["amp"] is not None]
     fw = cfg["policy"].get("fastwam") or {}
     if cfg["policy"]["backend"] == "fastwam" and fw.get("dtype", "float32") != "float32":
@@ -141,9 +166,29 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"{' and '.join(low)}: half precision needs actor.logp_old: recompute "
             "(its log pi cannot reproduce the rollout's to actor.logp_check_tol)"
         )
+    _check_tasks(cfg, "eval")
+    _check_tasks(cfg, "demos")
     if (cfg["world_model"]["window_frames"] - 1) % 4:
         raise ConfigError(
             "world_model.window_frames: must be 4k+1 (video frames are 4 env steps apart)"
+        )
+
+
+def _check_tasks(cfg: Mapping[str, Any], section: str) -> None:
+    """<section>.tasks must pick tasks of <section>.suites: otherwise the stage that reads
+    them fails only when it runs, after the rest of the iteration."""
+    from wamrl.envs.tasks import tasks_in_suites
+
+    picked = cfg[section]["tasks"]
+    if picked is None:
+        return
+    suites = cfg[section]["suites"]
+    inside = {t.index for t in tasks_in_suites(suites)}
+    outside = sorted(set(picked) - inside)
+    if outside:
+        raise ConfigError(
+            f"{section}.tasks: {outside} are not tasks of {section}.suites {suites} "
+            f"(those are {min(inside)}..{max(inside)} in table order; null = all of them)"
         )
 
 

@@ -31,7 +31,14 @@ import zarr
 
 from wamrl.atomic import make_temp_dir, replace_dir
 from wamrl.envs.conventions import stats_entry
-from wamrl.store import _FLOAT_CODEC, _IMAGE_CODEC, _SMALL_CODEC, StoreError
+from wamrl.store import (
+    _FLOAT_CODEC,
+    _IMAGE_CODEC,
+    _SMALL_CODEC,
+    StoreError,
+    checksummed,
+    read_array,
+)
 
 QUERY_EVERY = 10  # env steps between queries (the replan interval)
 CHUNK = 32  # actions per chunk
@@ -148,7 +155,7 @@ def _array(group: zarr.Group, path: str, shape: tuple[int, ...], dtype: str, dim
         shape=shape,
         dtype=dtype,
         chunks=chunks,
-        compressors=codec,
+        compressors=checksummed(codec),  # each chunk carries a crc32c, as rollout stores
         fill_value=0,
         dimension_names=dims,
         config={"write_empty_chunks": True},
@@ -242,15 +249,19 @@ def load_demos(paths: list[Path]) -> DemoSet:
     tasks, lengths, states, actions, images, frames = [], [], [], [], [], []
     for p in paths:
         root = open_demo_store(p)
-        ln = root["episode/length"][:]
-        tasks.append(root["episode/task"][:])
+
+        def read(name: str, sel: Any = slice(None), root: zarr.Group = root, p: Path = p):
+            return read_array(root, name, p, sel)  # an unreadable chunk names store and array
+
+        ln = read("episode/length")
+        tasks.append(read("episode/task"))
         lengths.append(ln)
-        st, ac = root["env/state"][:], root["env/action"][:]
+        st, ac = read("env/state"), read("env/action")
         for i, L in enumerate(ln):
             states.append(st[i, :L])
             actions.append(ac[i, :L])
-            images.append(root["step/image"][i, : n_queries(L)])
-            frames.append(root["video/frames"][i, : n_frames(L)])
+            images.append(read("step/image", (i, slice(0, n_queries(L)))))
+            frames.append(read("video/frames", (i, slice(0, n_frames(L)))))
     if not tasks:
         raise ValueError("no demo stores given")
     return DemoSet(np.concatenate(tasks), np.concatenate(lengths), states, actions, images, frames)

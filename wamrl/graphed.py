@@ -47,9 +47,20 @@ from wamrl.sampler import SampleResult, gaussian_log_prob, ode_step, sde_mean_st
 
 
 def draw_noise(
-    batch: int, K: int, a: float, generator: torch.Generator | None, x0: Tensor | None = None
+    batch: int,
+    K: int,
+    a: float,
+    generator: torch.Generator | None,
+    x0: Tensor | None = None,
+    k_star: Tensor | None = None,
+    xi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(x_0, k*, xi) on the CPU, drawn in sample_chunk's order; xi[b] is row b's SDE noise."""
+    """(x_0, k*, xi) on the CPU, drawn in sample_chunk's order; xi[b] is row b's SDE noise.
+    Given k_star and xi (per-episode noise, wamrl.rollout), they are used as they are."""
+    if k_star is not None and xi is not None:
+        if x0 is None:
+            raise ValueError("per-row k_star and xi need a per-row x0 too")
+        return x0.float().cpu(), k_star.long().cpu(), xi.float().cpu()
     if x0 is None:
         x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)
     if a > 0:
@@ -188,11 +199,18 @@ class GraphedSampler:
 
     @torch.no_grad()
     def query(
-        self, obs: Obs, generator: torch.Generator | None, x0: Tensor | None = None
+        self,
+        obs: Obs,
+        generator: torch.Generator | None,
+        x0: Tensor | None = None,
+        k_star: Tensor | None = None,
+        xi: Tensor | None = None,
     ) -> SampleResult:
+        """x0, k_star, xi: per-row noise (graph inputs like the observation), else drawn
+        from `generator` as sample_chunk draws it."""
         batch = obs.batch_size
         self._sync_weights()
-        x0, k_star, xi = draw_noise(batch, self.K, self.a, generator, x0)
+        x0, k_star, xi = draw_noise(batch, self.K, self.a, generator, x0, k_star, xi)
         inputs = (obs.image, obs.proprio, obs.context, obs.context_mask, x0, k_star, xi)
         if self.use_graphs:
             size = self.bucket(batch)

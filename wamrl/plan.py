@@ -1,19 +1,24 @@
 """Which (task, init state) groups an iteration rolls out: hard-task oversampling.
 
-The plan is a pure function of (config, iteration, recent success rates), so every rollout
-shard computes the same plan and takes its own share of the groups.
+The plan is a pure function of (config, iteration, per-task success rates), and the rates
+come only from the rollout stage's declared inputs: the previous iteration's rollout
+stores (the Snakefile lists them as `ancient` inputs of the rollout rule). Iteration 1 has
+none and draws tasks uniformly. So every shard computes the same plan, a rerun computes it
+again, and `plan_from_attrs` recomputes it from what a store records in `attrs["plan"]`.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from wamrl import paths
-from wamrl.envs.tasks import Task
+from wamrl.envs.tasks import Task, load_tasks
 from wamrl.rollout import EpisodeSpec
+
+PRIOR = 0.5  # (successes + PRIOR) / (episodes + 2 PRIOR): an unseen task counts 0.5
 
 
 def task_weights(success: np.ndarray, temperature: float) -> np.ndarray:
@@ -23,24 +28,44 @@ def task_weights(success: np.ndarray, temperature: float) -> np.ndarray:
     return w / w.sum()
 
 
-def recent_success(run_dir: Path, iteration: int, tasks: list[Task]) -> np.ndarray:
-    """Per-task success from the newest eval.json before `iteration`; unknown tasks count 0.5."""
-    rate = np.full(len(tasks), 0.5)
-    for it in range(iteration - 1, -1, -1):
-        f = paths.eval_json(run_dir, it)
-        if f.is_file():
-            by_name = json.loads(f.read_text())["tasks"]
-            for i, t in enumerate(tasks):
-                if t.name in by_name:
-                    rate[i] = by_name[t.name]["success_rate"]
-            break
-    return rate
+def smoothed_rates(successes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """(s + 0.5) / (n + 1) per task: 0.5 for a task with no episodes, and a task seen once
+    moves only part of the way to 0 or 1 (one episode is weak evidence)."""
+    s, n = np.asarray(successes, np.float64), np.asarray(counts, np.float64)
+    return (s + PRIOR) / (n + 2 * PRIOR)
+
+
+def previous_rollout_counts(
+    run_dir: Path, iteration: int, tasks: list[Task], workers: int
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(successes, episodes) per task over iteration n-1's rollout stores, and the stores
+    read (relative to run_dir). Iteration 1 has none: zeros. Crashed envs are left out:
+    a crash says nothing about the policy."""
+    successes = np.zeros(len(tasks), np.int64)
+    counts = np.zeros(len(tasks), np.int64)
+    if iteration <= 1:
+        return successes, counts, []
+    from wamrl.store import read_plan_table  # late: keeps `wamrl.plan` import light
+
+    pos = {t.index: i for i, t in enumerate(tasks)}
+    sources = []
+    for path in paths.shard_paths(run_dir, iteration - 1, workers):
+        task, success, crashed = read_plan_table(path)
+        for t, s in zip(task[~crashed].tolist(), success[~crashed].tolist(), strict=True):
+            if t in pos:
+                counts[pos[t]] += 1
+                successes[pos[t]] += int(s)
+        sources.append(str(Path(path).relative_to(run_dir)))
+    return successes, counts, sources
 
 
 def rollout_plan(
     cfg: dict, iteration: int, tasks: list[Task], success: np.ndarray
 ) -> list[EpisodeSpec]:
-    """All episodes of the iteration, group by group (G consecutive specs share task and init)."""
+    """All episodes of the iteration, group by group (G consecutive specs share task and init).
+
+    Each episode gets its own noise seed from (seed, iteration, group, member), so its x_0,
+    k* and SDE noise do not depend on which env or batch it runs in (wamrl.rollout)."""
     r = cfg["rollout"]
     rng = np.random.default_rng([cfg["seed"], iteration])
     weights = task_weights(success, r["oversample_temperature"])
@@ -48,12 +73,59 @@ def rollout_plan(
     for g in range(r["groups"]):
         task = tasks[int(rng.choice(len(tasks), p=weights))]
         init_state = int(rng.integers(task.n_init_states))
-        for _ in range(r["group_size"]):
+        for m in range(r["group_size"]):
             video = bool(rng.random() < r["video_sft_share"])
-            specs.append(EpisodeSpec(task, init_state, g, record_video=video))
+            seed = episode_seed(cfg["seed"], iteration, g, m)
+            specs.append(EpisodeSpec(task, init_state, g, record_video=video, noise_seed=seed))
     return specs
+
+
+def episode_seed(seed: int, iteration: int, group: int, member: int) -> int:
+    """The noise seed of one rollout episode (a 32-bit value of a SeedSequence)."""
+    return int(np.random.SeedSequence([seed, iteration, group, member]).generate_state(1)[0])
 
 
 def shard_specs(specs: list[EpisodeSpec], worker: int, workers: int) -> list[EpisodeSpec]:
     """Whole groups go to one shard: group g -> worker g mod W."""
     return [s for s in specs if s.group % workers == worker]
+
+
+def make_plan(
+    cfg: dict[str, Any], run_dir: Path, iteration: int, tasks: list[Task]
+) -> tuple[list[EpisodeSpec], dict[str, Any]]:
+    """The iteration's whole plan and what a store records of it (`attrs["plan"]`)."""
+    W = int(cfg["rollout"]["workers"])
+    successes, counts, sources = previous_rollout_counts(run_dir, iteration, tasks, W)
+    rates = smoothed_rates(successes, counts)
+    record = {
+        "source": sources,  # [] at iteration 1: uniform
+        "tasks": [t.index for t in tasks],
+        "successes": successes.tolist(),
+        "episodes": counts.tolist(),
+        "rates": rates.tolist(),
+        "temperature": float(cfg["rollout"]["oversample_temperature"]),
+        "seed": int(cfg["seed"]),
+        "iteration": int(iteration),
+        "groups": int(cfg["rollout"]["groups"]),
+        "group_size": int(cfg["rollout"]["group_size"]),
+        "video_sft_share": float(cfg["rollout"]["video_sft_share"]),
+        "workers": W,
+    }
+    return rollout_plan(cfg, iteration, tasks, rates), record
+
+
+def plan_from_attrs(attrs: dict[str, Any], worker: int | None = None) -> list[EpisodeSpec]:
+    """Recompute a plan from a store's attrs["plan"] (all shards', or one worker's)."""
+    p = attrs["plan"]
+    table = load_tasks()
+    cfg = {
+        "seed": p["seed"],
+        "rollout": {
+            "groups": p["groups"],
+            "group_size": p["group_size"],
+            "video_sft_share": p["video_sft_share"],
+            "oversample_temperature": p["temperature"],
+        },
+    }
+    specs = rollout_plan(cfg, p["iteration"], [table[i] for i in p["tasks"]], np.array(p["rates"]))
+    return specs if worker is None else shard_specs(specs, worker, p["workers"])

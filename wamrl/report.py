@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from wamrl.artifact import ArtifactError, read_json
+
 Z95 = 1.959963984540054  # two-sided 95 % normal quantile
 ITER_RE = re.compile(r"^iter_(\d{3})$")
 
@@ -50,10 +52,11 @@ def _ci(k: int, n: int) -> list[float | None]:
 
 
 def _json(path: Path) -> dict[str, Any] | None:
-    """A JSON artifact, or None if absent or still being written (a live run)."""
+    """A JSON artifact, or None if absent or unreadable: a report of a live or damaged run
+    shows what it can (the stages themselves refuse a damaged artifact by name)."""
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
+        return read_json(path)
+    except ArtifactError:
         return None
 
 

@@ -198,9 +198,11 @@ def check_success_dominates(shard_paths: list[Path], rcfg: dict[str, Any]) -> di
     for path in shard_paths:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no rollout store at {path}")
+        from wamrl.store import read_array  # late, as in open_rollout
+
         g = zarr.open_group(str(path), mode="r")
         T = max(T, int(g["step/valid"].shape[1]))
-        tasks.append(np.asarray(g["episode/task"][:], dtype=np.int64))
+        tasks.append(read_array(g, "episode/task", path).astype(np.int64))
     task = np.concatenate(tasks) if tasks else np.zeros(0, np.int64)
     return A.require_success_dominates(
         float(rcfg["beta"]), float(rcfg["rec_clip"]), gammas_in_use(task, rcfg), T

@@ -48,7 +48,9 @@ class EpisodeSpec:
     init_state: int
     group: int
     record_video: bool = False
-    noise_seed: int | None = None  # eval: x_0 drawn from this seed, so results are reproducible
+    # x_0 (and with a > 0, k* and the SDE noise) drawn from this seed's own generator, so an
+    # episode's numbers do not depend on its env or batch (eval and rollout plans set it)
+    noise_seed: int | None = None
     # eval.protocol official: the generator is reseeded with noise_seed before every query, so
     # every query starts from the same x_0 (Fast-WAM's eval: seed 42 at every infer_action)
     reseed_each_query: bool = False
@@ -188,15 +190,18 @@ def query_chunks(
     policy: Policy,
     obs: Obs,
     sampler: SamplerSettings,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     x0: torch.Tensor | None = None,
+    k_star: torch.Tensor | None = None,
+    xi: torch.Tensor | None = None,
 ):
-    """One batched policy query: prefill the first-frame cache, then K denoising steps."""
+    """One batched policy query: prefill the first-frame cache, then K denoising steps.
+    x0, k_star, xi: per-row noise (else drawn from `generator`)."""
     with autocast(obs.image.device, sampler.amp):
         cache = policy.prefill(obs)
         return sample_chunk(
             policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0,
-            scheduler_dtype=sampler.scheduler_dtype,
+            k_star=k_star, xi=xi, scheduler_dtype=sampler.scheduler_dtype,
         )  # fmt: skip
 
 
@@ -386,12 +391,18 @@ def run_episodes(
     return stats
 
 
-def _eval_noise(ep: _Running) -> torch.Tensor:
-    """x_0 [32, 7] of an eval episode's next query: the next draw of its generator, or with
-    reseed_each_query the first draw after reseeding, the same at every query."""
+def _episode_noise(ep: _Running, K: int, a: float) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(x_0 [32, 7], k*, xi [32, 7]) of an episode's next query from its own generator: the
+    same numbers whichever env or batch the query lands in. x_0 first, so a = 0 (eval) draws
+    exactly one randn per query; with reseed_each_query the generator restarts every query
+    (every query starts from the same x_0)."""
     if ep.spec.reseed_each_query:
         ep.generator.manual_seed(ep.spec.noise_seed)
-    return torch.randn(32, 7, generator=ep.generator)
+    x0 = torch.randn(32, 7, generator=ep.generator)
+    if a <= 0:
+        return x0, 0, torch.zeros(32, 7)
+    k_star = int(torch.randint(1, K, (1,), generator=ep.generator))
+    return x0, k_star, torch.randn(32, 7, generator=ep.generator)
 
 
 def _answer(
@@ -420,17 +431,21 @@ def _answer(
         context[tasks],
         context_mask[tasks],
     ).to(device)
-    x0 = None
-    if all(ep.generator is not None for ep in eps):  # eval: per-episode reproducible noise
-        x0 = torch.stack([_eval_noise(ep) for ep in eps]).to(device)
+    x0 = k_star = xi = None
+    if all(ep.generator is not None for ep in eps):  # per-episode reproducible noise
+        noise = [_episode_noise(ep, sampler.K, sampler.a) for ep in eps]
+        x0 = torch.stack([n[0] for n in noise]).to(device)
+        k_star = torch.tensor([n[1] for n in noise], dtype=torch.long)
+        xi = torch.stack([n[2] for n in noise])
     if pad_to is not None and pad_to > len(eps):  # fixed_batch: the padding repeats row 0
         rows = torch.tensor([*range(len(eps)), *[0] * (pad_to - len(eps))], device=device)
         obs = Obs(obs.image[rows], obs.proprio[rows], obs.context[rows], obs.context_mask[rows])
-        x0 = None if x0 is None else x0[rows]
+        if x0 is not None:
+            x0, k_star, xi = x0[rows], k_star[rows.cpu()], xi[rows.cpu()]
     if graphed is not None:
-        out = graphed.query(obs, generator, x0=x0)
+        out = graphed.query(obs, generator, x0=x0, k_star=k_star, xi=xi)
     else:
-        out = query_chunks(policy, obs, sampler, generator, x0=x0)
+        out = query_chunks(policy, obs, sampler, generator, x0=x0, k_star=k_star, xi=xi)
     wait_sleeping(device)  # the copies below would spin a core that an env needs
     chain = out.chain.float().cpu().numpy()
     k_star = out.k_star.cpu().numpy()

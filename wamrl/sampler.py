@@ -82,6 +82,7 @@ def sample_chunk(
     x0: Tensor | None = None,
     k_star: Tensor | None = None,
     scheduler_dtype: torch.dtype = torch.float32,
+    xi: Tensor | None = None,
 ) -> SampleResult:
     """Denoise a batch of chunks over a prefilled cache with the mixed sampler.
 
@@ -89,6 +90,8 @@ def sample_chunk(
     scheduler_dtype bf16 (a = 0 only; eval.protocol official on a bf16 model) holds x_k and
     the step sizes in bf16, as Fast-WAM's `infer_action` does: x_{k+1} = x_k + v * delta in
     bf16, sigmas from `official_sigmas`. The chain is returned in float32.
+    x0 [B, 32, 7], k_star [B], xi [B, 32, 7] (row b's SDE noise): given, they replace the
+    draws from `generator` (per-episode noise: a row's numbers do not depend on its batch).
     """
     device = _device_of(policy)
     sigmas = sigma_schedule(K, shift).to(device)
@@ -119,7 +122,10 @@ def sample_chunk(
         sde = (k_star == k) & (a > 0)
         if bool(sde.any()):
             mu, std = sde_mean_std(x, v, s, s_next, a)
-            noise = torch.randn(x.shape, generator=generator).to(device)
+            if xi is None:
+                noise = torch.randn(x.shape, generator=generator).to(device)
+            else:
+                noise = xi.to(device=device, dtype=torch.float32)
             x_sde = mu + std * noise
             x_next = torch.where(_bcast(sde, x), x_sde, x_next)
             logp = torch.where(sde, gaussian_log_prob(x_sde, mu, std), logp)

@@ -13,7 +13,6 @@ torch (it is imported lazily by `image_to_model_input`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,7 +146,9 @@ class Normalizer:
 
     @classmethod
     def load(cls, path: str | Path, **keys: str) -> Normalizer:
-        return cls(json.loads(Path(path).read_text()), **keys)
+        from wamrl.artifact import read_json
+
+        return cls(read_json(path, "normalisation statistics", keys=("state", "action")), **keys)
 
     @property
     def state_dim(self) -> int:

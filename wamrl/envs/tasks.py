@@ -6,7 +6,6 @@ libero_spatial, libero_object, libero_goal, libero_10, ten tasks each.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -44,7 +43,9 @@ class Task:
 
 @cache
 def _load(path: str) -> tuple[Task, ...]:
-    doc = json.loads(Path(path).read_text())
+    from wamrl.artifact import read_json
+
+    doc = read_json(path, "the task table", keys=("tasks",))
     tasks = tuple(Task(**row) for row in doc["tasks"])
     if [t.index for t in tasks] != list(range(len(tasks))):
         raise ValueError(f"{path}: task indices must be 0..{len(tasks) - 1} in order")

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from wamrl.artifact import verify_checkpoint
 from wamrl.policy.base import Obs, Policy
 from wamrl.policy.checkpoint import read_policy_yaml
 
@@ -34,6 +35,9 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
 
 
 def load_policy(directory: Path, device: str | torch.device = "cpu") -> Policy:
+    """The policy a directory holds, after checking every file against the sha256 its
+    checkpoint.json records (a flipped byte in tensor data would load without complaint)."""
+    verify_checkpoint(directory)
     meta = read_policy_yaml(Path(directory) / "policy.yaml")
     backends = _backends()
     if meta["backend"] not in backends:

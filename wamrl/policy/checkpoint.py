@@ -6,19 +6,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from wamrl.artifact import load_tensors, save_tensors
 
 
 def save_state(state: dict[str, Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path))
+    save_tensors({k: v.detach().contiguous().cpu() for k, v in state.items()}, path)
 
 
 def load_state(model: nn.Module, path: Path) -> None:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    state = load_file(str(path))
+    state = load_tensors(path, "checkpoint")
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

@@ -201,10 +201,9 @@ def check_file(path: str | Path | None, what: str) -> Path:
 def _read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of a .safetensors (header only) or torch zip file (memory-mapped)."""
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        from wamrl.artifact import tensor_header
 
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        return tensor_header(path)[0]
     state = _torch_load(path)
     return {k: tuple(v.shape) for k, v in _flatten(state).items()}
 
@@ -290,9 +289,11 @@ def _new_vae(cfg: FastWAMConfig) -> nn.Module:
 
 
 def _load_vae_weights(vae: nn.Module, path: Path) -> None:
-    from safetensors.torch import load_file
+    from wamrl.artifact import load_tensors
 
-    raw = load_file(str(path)) if path.suffix == ".safetensors" else _flatten(_torch_load(path))
+    raw = (
+        load_tensors(path, "VAE") if path.suffix == ".safetensors" else _flatten(_torch_load(path))
+    )
     state = {_vae_key(k): v for k, v in raw.items()}
     _compare(path, {k: tuple(v.shape) for k, v in state.items()}, _shapes(vae))
     vae.load_state_dict(state, strict=True)
@@ -581,12 +582,12 @@ class FastWAMPolicy(Policy):
         return {n: p for n, p in self.named_parameters() if id(p) in ids}
 
     def save(self, directory: Path) -> None:
-        from safetensors.torch import save_file
+        from wamrl.artifact import save_tensors
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state().items()}
-        save_file(state, str(directory / "model.safetensors"))
+        save_tensors(state, directory / "model.safetensors")
         write_policy_yaml(directory / "policy.yaml", self.backend, config_to_dict(self.cfg))
 
     @classmethod
@@ -602,10 +603,10 @@ class FastWAMPolicy(Policy):
         return policy
 
     def load_trainable(self, path: Path) -> None:
-        from safetensors.torch import load_file
+        from wamrl.artifact import load_tensors
 
         path = Path(path)
-        state = load_file(str(path))
+        state = load_tensors(path, "checkpoint")
         _compare(path, {k: tuple(v.shape) for k, v in state.items()}, {
             k: tuple(v.shape) for k, v in self.trainable_state().items()
         })  # fmt: skip

@@ -10,8 +10,9 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
+
+from wamrl.artifact import ArtifactError, load_tensors, save_tensors, tensor_header
 
 
 def _model_dir() -> Path:
@@ -39,18 +40,17 @@ def encode_texts(texts: list[str], max_len: int = 32) -> tuple[Tensor, Tensor]:
 
 
 def save_contexts(path: Path, names: list[str], context: Tensor, mask: Tensor) -> None:
-    save_file(
+    save_tensors(
         {"context": context.contiguous(), "mask": mask.contiguous()},
-        str(path),
+        path,
         metadata={"names": "\n".join(names)},
     )
 
 
 def load_contexts(path: Path) -> tuple[Tensor, Tensor]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"task contexts not found: {path}")
-    d = load_file(str(path))
+    d = load_tensors(path, "task contexts")
+    if "context" not in d or "mask" not in d:
+        raise ArtifactError(f"{path} (task contexts): lacks tensor 'context' or 'mask'")
     return d["context"], d["mask"]
 
 
@@ -67,21 +67,18 @@ def cached_task_contexts(
     run (SFT, then init): the encoder loads once per run. Before encoding, the run's cache
     and then SHIPPED_CONTEXTS are tried; a file counts only if it was made from exactly
     these task names and texts (its metadata)."""
-    from safetensors import safe_open
-
     path = Path(cache_dir) / f"minilm_{max_len}.safetensors"
     for cached in (path, SHIPPED_CONTEXTS / path.name):
         if cached.is_file():
-            with safe_open(str(cached), "pt") as f:
-                meta = f.metadata() or {}
+            meta = tensor_header(cached, "cached task contexts")[1]
             if meta.get("names") == "\n".join(names) and meta.get("texts") == "\n".join(texts):
                 return load_contexts(cached)
     context, mask = encode_texts(texts, max_len)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(
+    save_tensors(
         {"context": context.contiguous(), "mask": mask.contiguous()},
-        str(tmp),
+        tmp,
         metadata={"names": "\n".join(names), "texts": "\n".join(texts)},
     )
     tmp.replace(path)
