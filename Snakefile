@@ -50,7 +50,8 @@ if recorded is not None and (diff := config_diff(recorded, CFG, ignore=FREE_KEYS
 
 
 onstart:
-    # Not on a dry run (-n) or with --no-hooks: only a run that starts jobs records its config.
+    # Not on a dry run (-n): only a run that starts jobs records its config. (Nor with
+    # --no-hooks: do not use it on a new run dir, whose stages would read the defaults.)
     if not (RUN_CFG.is_file() and RUN_CFG.read_text() == dump(CFG)):
         write_text(RUN_CFG, dump(CFG))
 

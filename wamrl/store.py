@@ -736,7 +736,9 @@ def _validate_group(
     except Exception as e:
         return [*problems, f"cannot list the store's arrays: {type(e).__name__}: {e}"]
     if not include_reward:
-        present = {p for p in present if not p.startswith("reward")}
+        # reward/ and the reward stage's work in progress beside it (.reward.tmp-*, while a
+        # world-model job reads the same store at the same time)
+        present = {p for p in present if not p.startswith(("reward", ".reward."))}
     has_reward = any(p.startswith("reward/") for p in present)
     expected = {
         s.path for s in SCHEMA if s.group in CORE_GROUPS or (has_reward and s.group == "reward")
