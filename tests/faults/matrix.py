@@ -170,14 +170,8 @@ TRIALS: list[Trial] = [
     Trial("missing context.safetensors", "rollout", damage=remove("iter_000/policy/context.safetensors")),
     Trial("missing stats.json", "rollout", damage=remove("iter_000/policy/stats.json")),
     Trial("garbage .wamrl/config.yaml", "rollout", damage=garbage_config),
-    Trial(
-        "flipped bytes in a step/chain chunk", "reward", damage=flip_chain_bytes,
-        pending="crc32c chunk checksums (#22 item 4, another branch)",
-    ),
-    Trial(
-        "flipped bytes in iter_001 model.safetensors", "eval", damage=flip_model_bytes,
-        pending="sha256 checked on load (#22 item 4, another branch)",
-    ),
+    Trial("flipped bytes in a step/chain chunk", "reward", damage=flip_chain_bytes),
+    Trial("flipped bytes in iter_001 model.safetensors", "eval", damage=flip_model_bytes),
 ]  # fmt: skip
 
 
