@@ -37,13 +37,17 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+# What follows `.NAME` in a leftover's name (group `kind`: tmp or old; legacy forms too).
+_SUFFIX = (
+    r"\.(?:(?P<kind>tmp|old)-[A-Za-z0-9_]+|(?P<legacy_tmp>[A-Za-z0-9_]{8}\.tmp)"
+    r"|(?P<legacy_old>old))$"
+)
+_ANY_LEFTOVER = re.compile(rf"^\..+{_SUFFIX}")
+
+
 def _leftover_re(name: str) -> re.Pattern[str]:
-    """Leftovers of writes of NAME: group `kind` is tmp or old."""
-    n = re.escape(name)
-    return re.compile(
-        rf"^\.{n}\.(?:(?P<kind>tmp|old)-[A-Za-z0-9_]+|(?P<legacy_tmp>[A-Za-z0-9_]{{8}}\.tmp)"
-        rf"|(?P<legacy_old>old))$"
-    )
+    """Leftovers of writes of NAME."""
+    return re.compile(rf"^\.{re.escape(name)}{_SUFFIX}")
 
 
 def _kind(m: re.Match[str]) -> str:
@@ -66,7 +70,7 @@ def stale_under(root: Path) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in (*dirnames, *filenames):
-            if re.match(r"^\..+\.(?:(?:tmp|old)-[A-Za-z0-9_]+|[A-Za-z0-9_]{8}\.tmp|old)$", name):
+            if _ANY_LEFTOVER.match(name):
                 out.append(Path(dirpath) / name)
     return sorted(out)
 
