@@ -340,3 +340,31 @@ def test_logp_sensitivity_is_the_gradient_of_log_pi_in_the_velocity() -> None:
         ratio = (v.grad.abs() / xi.abs()).flatten()
         torch.testing.assert_close(ratio, torch.full_like(ratio, float(sens[k])), rtol=1e-3, atol=0)
     assert float(sens[K - 1] / sens[1]) == pytest.approx(24.25, abs=0.01)
+
+
+# ----------------------------------------------------------------------------- k*
+
+
+def test_draw_kstar_is_the_one_k_star_draw_and_takes_a_range() -> None:
+    """Default 1..K-1: the numbers torch.randint(1, K) gives for the same generator state (so
+    stores drawn before stay valid); a narrower range draws only inside it; check_kstar
+    accepts exactly the range; an empty range or one touching step 0 or K is refused."""
+    from wamrl.sampler import check_kstar, draw_kstar, kstar_bounds
+
+    K = 8
+    got = draw_kstar(500, K, torch.Generator().manual_seed(4))
+    assert torch.equal(got, torch.randint(1, K, (500,), generator=torch.Generator().manual_seed(4)))
+    assert got.dtype == torch.long and set(got.tolist()) == set(range(1, K))
+    narrow = draw_kstar(500, K, torch.Generator().manual_seed(4), low=3, high=5)
+    assert set(narrow.tolist()) == {3, 4, 5}
+    check_kstar(torch.tensor([1, 7]), K)
+    check_kstar(torch.tensor([3, 5]), K, low=3, high=5)
+    for bad, rng in ((0, {}), (8, {}), (2, {"low": 3, "high": 5}), (6, {"low": 3, "high": 5})):
+        with pytest.raises(ValueError, match="k\\*"):
+            check_kstar(torch.tensor([bad]), K, **rng)
+    assert kstar_bounds(K) == (1, K - 1)
+    with pytest.raises(ValueError, match="K >= 2"):
+        draw_kstar(1, 1, None)
+    for low, high in ((0, 3), (2, 8), (5, 4)):
+        with pytest.raises(ValueError, match="k\\* range"):
+            kstar_bounds(K, low, high)

@@ -40,42 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs, Policy
+from wamrl.policy.base import Obs, Policy
 from wamrl.policy.lora import LoRALinear
 from wamrl.runtime import autocast
-from wamrl.sampler import SampleResult, gaussian_log_prob, ode_step, sde_mean_std, sigma_schedule
-
-
-def draw_noise(
-    batch: int,
-    K: int,
-    a: float,
-    generator: torch.Generator | None,
-    x0: Tensor | None = None,
-    k_star: Tensor | None = None,
-    xi: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(x_0, k*, xi) on the CPU, drawn in sample_chunk's order; xi[b] is row b's SDE noise.
-    Given k_star and xi (per-episode noise, wamrl.rollout), they are used as they are."""
-    if k_star is not None and xi is not None:
-        if x0 is None:
-            raise ValueError("per-row k_star and xi need a per-row x0 too")
-        return x0.float().cpu(), k_star.long().cpu(), xi.float().cpu()
-    if x0 is None:
-        x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)
-    if a > 0:
-        if K < 2:
-            raise ValueError(f"a > 0 needs K >= 2 (k* lies in 1..K-1, sigma_0 = 1), got K = {K}")
-        k_star = torch.randint(1, K, (batch,), generator=generator)
-    else:
-        k_star = torch.zeros(batch, dtype=torch.long)
-    xi = torch.zeros(batch, CHUNK_LEN, ACTION_DIM)
-    if a > 0:
-        for k in range(K):  # sample_chunk draws one full-batch tensor per step that has an SDE row
-            rows = k_star == k
-            if bool(rows.any()):
-                xi[rows] = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)[rows]
-    return x0.float().cpu(), k_star, xi
+from wamrl.sampler import SampleResult, denoise, draw_noise, sigma_schedule
 
 
 def denoise_static(
@@ -88,24 +56,7 @@ def denoise_static(
     a: float,
 ) -> tuple[Tensor, Tensor]:
     """prefill + K steps with no host synchronisation: (chain [B, K+1, 32, 7], logp [B])."""
-    cache = policy.prefill(obs)
-    K = sigmas.shape[0] - 1
-    x = x0
-    chain = [x]
-    logp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-    for k in range(K):
-        s, s_next = sigmas[k], sigmas[k + 1]
-        v = policy.velocity(cache, x, s.expand(x.shape[0])).float()
-        x_next = ode_step(x, v, s, s_next)
-        if a > 0 and k >= 1:  # k* >= 1, so step 0 is always ODE
-            mu, std = sde_mean_std(x, v, s, s_next, a)
-            x_sde = mu + std * xi
-            sde = k_star == k
-            x_next = torch.where(sde[:, None, None], x_sde, x_next)
-            logp = torch.where(sde, gaussian_log_prob(x_sde, mu, std), logp)
-        x = x_next
-        chain.append(x)
-    return torch.stack(chain, 1), logp
+    return denoise(policy, policy.prefill(obs), x0, k_star, xi, sigmas, a)
 
 
 MATMUL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)

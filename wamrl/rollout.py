@@ -36,7 +36,7 @@ from wamrl.envs.tasks import Task
 from wamrl.graphed import GraphedSampler
 from wamrl.policy.base import PROPRIO_DIM, Obs, Policy
 from wamrl.runtime import AMP_DTYPES, autocast, wait_sleeping
-from wamrl.sampler import sample_chunk
+from wamrl.sampler import draw_kstar, sample_chunk
 from wamrl.store import EpisodeData
 
 
@@ -401,7 +401,7 @@ def _episode_noise(ep: _Running, K: int, a: float) -> tuple[torch.Tensor, int, t
     x0 = torch.randn(32, 7, generator=ep.generator)
     if a <= 0:
         return x0, 0, torch.zeros(32, 7)
-    k_star = int(torch.randint(1, K, (1,), generator=ep.generator))
+    k_star = int(draw_kstar(1, K, ep.generator)[0])
     return x0, k_star, torch.randn(32, 7, generator=ep.generator)
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs, Policy
+from wamrl.contract import ACTION_DIM, CHUNK_LEN
+from wamrl.policy.base import Obs, Policy
 
 
 def sigma_schedule(K: int, shift: float = 5.0) -> Tensor:
@@ -71,6 +72,92 @@ class SampleResult:
     logp: Tensor  # [B] float32 log pi_old of x_{k*+1} given x_{k*} (0 when a = 0)
 
 
+def kstar_bounds(K: int, low: int = 1, high: int | None = None) -> tuple[int, int]:
+    """The SDE steps k* may take, low..high inclusive (default 1..K-1). Step 0 is never one:
+    sigma_0 = 1, where g is infinite; step K does not exist."""
+    if K < 2:
+        raise ValueError(f"a > 0 needs K >= 2 (k* lies in 1..K-1, sigma_0 = 1), got K = {K}")
+    high = K - 1 if high is None else high
+    if not 1 <= low <= high <= K - 1:
+        raise ValueError(f"the k* range {low}..{high} must be non-empty and lie in 1..{K - 1}")
+    return low, high
+
+
+def draw_kstar(
+    n: int, K: int, generator: torch.Generator | None, low: int = 1, high: int | None = None
+) -> Tensor:
+    """[n] int64 SDE steps, uniform on low..high (default 1..K-1): the one place k* is drawn,
+    so the batched sampler, the CUDA graph path and per-episode noise draw the same numbers."""
+    low, high = kstar_bounds(K, low, high)
+    return torch.randint(low, high + 1, (n,), generator=generator)
+
+
+def check_kstar(k_star: Tensor, K: int, low: int = 1, high: int | None = None) -> None:
+    """ValueError unless every k* lies in low..high (default 1..K-1)."""
+    low, high = kstar_bounds(K, low, high)
+    if bool(((k_star < low) | (k_star > high)).any()):
+        raise ValueError(f"k* must lie in {low}..{high}, got {k_star.tolist()}")
+
+
+def draw_noise(
+    batch: int,
+    K: int,
+    a: float,
+    generator: torch.Generator | None,
+    x0: Tensor | None = None,
+    k_star: Tensor | None = None,
+    xi: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(x_0 [B, 32, 7], k* [B], xi [B, 32, 7]) on the CPU; xi[b] is row b's SDE noise.
+
+    What is given (per-episode noise, wamrl.rollout) is used as it is; the rest is drawn from
+    `generator` in a fixed order: x_0, k*, then one full-batch randn for each step that is
+    some row's SDE step, in step order. Every sampler path draws through here, so one
+    generator state gives one set of numbers whichever path (eager or graphed) runs."""
+    if x0 is None:
+        if k_star is not None and xi is not None:
+            raise ValueError("per-row k_star and xi need a per-row x0 too")
+        x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)
+    if k_star is None:
+        no_sde = torch.zeros(batch, dtype=torch.long)
+        k_star = draw_kstar(batch, K, generator) if a > 0 else no_sde
+    elif a > 0:
+        check_kstar(k_star, K)
+    k_star = k_star.long().cpu()
+    if xi is None:
+        xi = torch.zeros(batch, CHUNK_LEN, ACTION_DIM)
+        for k in range(K if a > 0 else 0):
+            rows = k_star == k
+            if bool(rows.any()):
+                xi[rows] = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)[rows]
+    return x0.float().cpu(), k_star, xi.float().cpu()
+
+
+def denoise(
+    policy: Policy, cache: Any, x0: Tensor, k_star: Tensor, xi: Tensor, sigmas: Tensor, a: float
+) -> tuple[Tensor, Tensor]:
+    """K steps over a prefilled cache, every input on the model's device: (chain [B, K+1, 32,
+    7], logp [B]). No host synchronisation (a CUDA graph can record it): the SDE step is
+    computed for every row at every k >= 1 and kept by torch.where where k = k*."""
+    K = sigmas.shape[0] - 1
+    x = x0
+    chain = [x]
+    logp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for k in range(K):
+        s, s_next = sigmas[k], sigmas[k + 1]
+        v = policy.velocity(cache, x, s.expand(x.shape[0])).float()
+        x_next = ode_step(x, v, s, s_next)
+        if a > 0 and k >= 1:  # k* >= 1, so step 0 is always ODE
+            mu, std = sde_mean_std(x, v, s, s_next, a)
+            x_sde = mu + std * xi
+            sde = k_star == k
+            x_next = torch.where(sde[:, None, None], x_sde, x_next)
+            logp = torch.where(sde, gaussian_log_prob(x_sde, mu, std), logp)
+        x = x_next
+        chain.append(x)
+    return torch.stack(chain, 1), logp
+
+
 def sample_chunk(
     policy: Policy,
     cache: Any,
@@ -94,44 +181,17 @@ def sample_chunk(
     draws from `generator` (per-episode noise: a row's numbers do not depend on its batch).
     """
     device = _device_of(policy)
-    sigmas = sigma_schedule(K, shift).to(device)
-    if x0 is None:
-        x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator).to(device)
     if scheduler_dtype != torch.float32:
+        if x0 is None:
+            x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)
         if a > 0:  # log pi needs float32 SDE arithmetic (the bf16 ratio pitfall)
             raise ValueError(f"scheduler_dtype {scheduler_dtype} needs a = 0, got a = {a}")
         return _sample_ode_low_precision(policy, cache, batch, K, shift, x0, scheduler_dtype)
-    if a > 0 and K < 2:
-        raise ValueError(f"a > 0 needs K >= 2 (k* lies in 1..K-1, sigma_0 = 1), got K = {K}")
-    if k_star is None:
-        k_star = (
-            torch.randint(1, K, (batch,), generator=generator)
-            if a > 0
-            else torch.zeros(batch, dtype=torch.long)
-        )
-    k_star = k_star.to(device=device, dtype=torch.long)
-    if a > 0 and bool(((k_star < 1) | (k_star > K - 1)).any()):
-        raise ValueError(f"k* must lie in 1..{K - 1}, got {k_star.tolist()}")
-    x = x0.float()
-    chain = [x]
-    logp = torch.zeros(batch, dtype=torch.float32, device=device)
-    for k in range(K):
-        s, s_next = sigmas[k], sigmas[k + 1]
-        v = policy.velocity(cache, x, s.expand(batch)).float()
-        x_next = ode_step(x, v, s, s_next)
-        sde = (k_star == k) & (a > 0)
-        if bool(sde.any()):
-            mu, std = sde_mean_std(x, v, s, s_next, a)
-            if xi is None:
-                noise = torch.randn(x.shape, generator=generator).to(device)
-            else:
-                noise = xi.to(device=device, dtype=torch.float32)
-            x_sde = mu + std * noise
-            x_next = torch.where(_bcast(sde, x), x_sde, x_next)
-            logp = torch.where(sde, gaussian_log_prob(x_sde, mu, std), logp)
-        x = x_next
-        chain.append(x)
-    return SampleResult(torch.stack(chain, 1), k_star, logp)
+    x0, k_star, xi = draw_noise(batch, K, a, generator, x0, k_star, xi)
+    k_star = k_star.to(device)
+    sigmas = sigma_schedule(K, shift).to(device)
+    chain, logp = denoise(policy, cache, x0.to(device), k_star, xi.to(device), sigmas, a)
+    return SampleResult(chain, k_star, logp)
 
 
 def _sample_ode_low_precision(
@@ -173,8 +233,7 @@ def recompute_mean_std(
         cache = policy.prefill(obs)
     sigmas = sigma_schedule(K, shift).to(x_k.device)
     k_star = k_star.to(device=x_k.device, dtype=torch.long)
-    if bool(((k_star < 1) | (k_star > K - 1)).any()):
-        raise ValueError(f"k* must lie in 1..{K - 1}, got {k_star.tolist()}")
+    check_kstar(k_star, K)
     s, s_next = sigmas[k_star], sigmas[k_star + 1]
     v = policy.velocity(cache, x_k, s)
     return sde_mean_std(x_k, v, s, s_next, a)
