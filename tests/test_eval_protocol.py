@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from stages.eval import Protocol, episode_noise, reference_rates, resolve_protocol, success_table
 from wamrl.config import DEFAULT_CONFIG, load_config
 from wamrl.envs.tasks import load_tasks
-from wamrl.rollout import EpisodeSpec, _episode_noise, _Running
+from wamrl.plan import EpisodeSpec
+from wamrl.rollout import _episode_noise, _Running
 from wamrl.sampler import official_sigmas, sample_chunk, sigma_schedule
 
 FASTWAM = DEFAULT_CONFIG.parent / "fastwam.yaml"

@@ -1,4 +1,4 @@
-"""Progress where no live bar can be drawn (stage logs): wamrl.rollout.LoggedProgress."""
+"""Progress where no live bar can be drawn (stage logs): wamrl.progress.LoggedProgress."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from wamrl.rollout import progress_bar
+from wamrl.progress import progress_bar
 
 
 def run_bar(terminal: bool, interval: float) -> str:

@@ -159,3 +159,23 @@ def test_longest_step_budget_starts_first_unless_a_cap_makes_them_equal(cap) -> 
         assert started[0] == 30 and 30 not in started[4:], started
     else:  # equal budgets: the given order, the long task last
         assert started[:2] == [0, 10] and started[4:] == [30, 30], started
+
+
+def test_batching_policy_alone() -> None:
+    """rollout.Batching, no envs and no model: which waiting slots are answered now, in which
+    batches, and how a batch is padded (fixed_batch)."""
+    from wamrl.rollout import Batching
+
+    waiting = {0: 5, 1: 2, 3: 7}  # slot -> arrival number: slot 1 waited longest
+    # async: whoever waits, longest-waiting first, one batch of at most max_batch
+    assert Batching().ready(waiting, running=4) == [[1, 0, 3]]
+    assert Batching(max_batch=2).ready(waiting, running=4) == [[1, 0]]
+    assert Batching().ready({}, running=4) == []
+    # lockstep: nothing until every running episode waits, then all, in slot order
+    assert Batching(lockstep=True, max_batch=2).ready(waiting, running=4) == []
+    everyone = {**waiting, 2: 9}
+    assert Batching(lockstep=True, max_batch=2).ready(everyone, running=4) == [[0, 1], [2, 3]]
+    assert Batching(lockstep=True).ready(everyone, running=4) == [[0, 1, 2, 3]]
+    # fixed_batch: padded to pad_to by repeating row 0; a full batch or no pad_to stays
+    assert Batching(pad_to=4).rows(2) == [0, 1, 0, 0]
+    assert Batching(pad_to=4).rows(4) is None and Batching().rows(2) is None

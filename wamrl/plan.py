@@ -9,6 +9,7 @@ again, and `plan_from_attrs` recomputes it from what a store records in `attrs["
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,24 @@ import numpy as np
 
 from wamrl import paths
 from wamrl.envs.tasks import Task, load_tasks
-from wamrl.rollout import EpisodeSpec
 
 PRIOR = 0.5  # (successes + PRIOR) / (episodes + 2 PRIOR): an unseen task counts 0.5
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What to run, decided before the episode starts."""
+
+    task: Task
+    init_state: int
+    group: int
+    record_video: bool = False
+    # x_0 (and with a > 0, k* and the SDE noise) drawn from this seed's own generator, so an
+    # episode's numbers do not depend on its env or batch (eval and rollout plans set it)
+    noise_seed: int | None = None
+    # eval.protocol official: the generator is reseeded with noise_seed before every query, so
+    # every query starts from the same x_0 (Fast-WAM's eval: seed 42 at every infer_action)
+    reseed_each_query: bool = False
 
 
 def task_weights(success: np.ndarray, temperature: float) -> np.ndarray:

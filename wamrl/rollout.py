@@ -15,45 +15,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, IMAGE_HW, N_FUTURE, PROPRIO_DIM
 from wamrl.envs.conventions import Normalizer, env_actions, image_to_model_input
-from wamrl.envs.pool import Crashed, EnvPool, Query, StepResult
-from wamrl.envs.tasks import Task
+from wamrl.envs.pool import Crashed, EnvPool, Event, Query, StepResult
 from wamrl.graphed import GraphedSampler
-from wamrl.policy.base import PROPRIO_DIM, Obs, Policy
+from wamrl.plan import EpisodeSpec
+from wamrl.policy.base import Obs, Policy
+from wamrl.progress import progress_bar
 from wamrl.runtime import AMP_DTYPES, autocast, wait_sleeping
 from wamrl.sampler import draw_kstar, sample_chunk
 from wamrl.store import EpisodeData
-
-
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """What to run, decided before the episode starts."""
-
-    task: Task
-    init_state: int
-    group: int
-    record_video: bool = False
-    # x_0 (and with a > 0, k* and the SDE noise) drawn from this seed's own generator, so an
-    # episode's numbers do not depend on its env or batch (eval and rollout plans set it)
-    noise_seed: int | None = None
-    # eval.protocol official: the generator is reseeded with noise_seed before every query, so
-    # every query starts from the same x_0 (Fast-WAM's eval: seed 42 at every infer_action)
-    reseed_each_query: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,14 +92,16 @@ class _Running:
             video_sft=video is not None,
             env_crashed=crashed,
             length=t,
-            image=np.stack(self.image[:t]) if t else np.zeros((0, 224, 448, 3), np.uint8),
+            image=np.stack(self.image[:t]) if t else np.zeros((0, *IMAGE_HW, 3), np.uint8),
             proprio=np.stack(self.proprio[:t]).astype(np.float32)
             if t
-            else np.zeros((0, 8), np.float32),
-            chain=np.stack(self.chain[:t]) if t else np.zeros((0, 0, 32, 7), np.float32),
+            else np.zeros((0, PROPRIO_DIM), np.float32),
+            chain=np.stack(self.chain[:t])
+            if t
+            else np.zeros((0, 0, CHUNK_LEN, ACTION_DIM), np.float32),
             k_star=np.asarray(self.k_star[:t], np.int32),
             logp_old=np.asarray(self.logp[:t], np.float32),
-            frames=np.stack(self.frames) if t else np.zeros((0, 2, 224, 448, 3), np.uint8),
+            frames=np.stack(self.frames) if t else np.zeros((0, N_FUTURE, *IMAGE_HW, 3), np.uint8),
             r_task=r_task,
             done=done,
             video_frames=np.stack(video) if video else None,
@@ -130,59 +109,27 @@ class _Running:
         )
 
 
-class LoggedProgress(Progress):
-    """A rich Progress that also reports where no live bar can be drawn (a log file: Snakemake
-    jobs, nohup), where rich would print the bar only when it stops: a plain line per task at
-    most every `interval` seconds and when it completes."""
+class QueryModel(NamedTuple):
+    """What a stage that queries the policy reads from a policy dir (a tuple, so it unpacks as
+    `policy, context, context_mask, normalizer`)."""
 
-    def __init__(self, *columns: Any, interval: float = 60.0, **kwargs: Any):
-        super().__init__(*columns, **kwargs)
-        self.interval = interval
-        self._printed: dict[TaskID, float] = {}
-
-    def update(self, task_id: TaskID, **kwargs: Any) -> None:
-        super().update(task_id, **kwargs)
-        if self.console.is_terminal:
-            return
-        task = self._tasks[task_id]
-        now, last = time.monotonic(), self._printed.get(task_id, -math.inf)
-        if last == math.inf:  # its final line is out
-            return
-        if task.finished or now - last >= self.interval:
-            self._printed[task_id] = math.inf if task.finished else now
-            eta = task.time_remaining
-            self.console.print(
-                f"{task.description}: {task.completed:.0f}/{task.total:.0f} "
-                f"{task.fields.get('info', '')}  elapsed {task.elapsed or 0:.0f} s"
-                + ("" if eta is None or task.finished else f", ETA {eta:.0f} s")
-            )
+    policy: Policy  # in eval mode
+    context: torch.Tensor  # every task's text context, on the query device
+    context_mask: torch.Tensor
+    normalizer: Normalizer
 
 
-def progress_bar(interval: float = 60.0, console: Console | None = None) -> Progress:
-    return LoggedProgress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        interval=interval,
-        console=console,
-    )
-
-
-def load_for_queries(
-    policy_dir: Path, device: torch.device
-) -> tuple[Policy, torch.Tensor, torch.Tensor, Normalizer]:
-    """What a stage that queries the policy reads from a policy dir: the model (eval mode),
-    every task's text context and mask (on `device`), and the normaliser."""
+def load_for_queries(policy_dir: Path, device: torch.device) -> QueryModel:
+    """The model (eval mode), every task's text context and mask (on `device`), and the
+    normaliser of a policy dir."""
     from wamrl.policy import load_policy
     from wamrl.policy.text import load_contexts
 
     policy = load_policy(policy_dir, device=device).eval()
     context, mask = load_contexts(policy_dir / "context.safetensors")
-    return policy, context.to(device), mask.to(device), Normalizer.load(policy_dir / "stats.json")
+    return QueryModel(
+        policy, context.to(device), mask.to(device), Normalizer.load(policy_dir / "stats.json")
+    )
 
 
 @torch.no_grad()
@@ -217,6 +164,207 @@ def next_spec(todo_tasks: list[int], slot_task: int | None, busy_tasks: set[int]
     return 0
 
 
+@dataclass(frozen=True)
+class Batching:
+    """When waiting queries are answered, and in which batches (no envs, no model: tests
+    drive it alone).
+
+    lockstep: answer only when every running episode waits, so each batch holds the same
+    episodes on every rerun: all of them, in slot order, in batches of max_batch. Otherwise
+    whoever waits is answered at once, longest-waiting first, at most max_batch of them; the
+    rest go in a later batch, so envs fall into groups that step while another group is
+    queried (batch composition then follows process timing, which pad_to makes harmless).
+
+    pad_to (eval's fixed_batch): every batch is padded to this many rows, repeating its first
+    row. A row's result then depends only on its own inputs, not on which envs happened to
+    wait with it (matmul kernels differ with the batch size, not with the other rows; on the
+    CPU given one torch thread, as the stages set), so with per-episode noise seeds a rerun
+    gives the same bits whatever the timing, async or lockstep.
+    """
+
+    lockstep: bool = False
+    max_batch: int | None = None
+    pad_to: int | None = None
+
+    def ready(self, waiting: dict[int, int], running: int) -> list[list[int]]:
+        """The batches of slots to answer now, in order. waiting: slot -> arrival number of
+        its pending query (smaller waited longer); running: how many episodes run."""
+        if not waiting or (self.lockstep and len(waiting) < running):
+            return []
+        order = sorted(waiting) if self.lockstep else sorted(waiting, key=waiting.__getitem__)
+        cap = self.max_batch or len(order)
+        parts = [order[i : i + cap] for i in range(0, len(order), cap)]
+        return parts if self.lockstep else parts[:1]
+
+    def rows(self, n: int) -> list[int] | None:
+        """The rows a batch of n becomes: row 0 repeated up to pad_to; None: as it is."""
+        if self.pad_to is None or self.pad_to <= n:
+            return None
+        return [*range(n), *[0] * (self.pad_to - n)]
+
+
+class EpisodeRunner:
+    """Runs a list of episodes on a pool to completion: `start` an episode on a free slot,
+    `on_event` for each pool event (a query waits, a macro-step is recorded, an episode ends),
+    `answer_ready` to answer the queries `Batching` says are due. `run` is the loop.
+
+    A crashed env process ends its episode as failed and truncated (env_crashed); the pool
+    restarts the process for the next episode and the run goes on.
+
+    Episodes start longest step budget first (libero_10 before the rest), so the long ones
+    do not run alone at the end while the other envs idle.
+    """
+
+    def __init__(
+        self,
+        model: QueryModel,
+        pool: EnvPool,
+        specs: list[EpisodeSpec],
+        sampler: SamplerSettings,
+        batching: Batching,
+        on_episode: Callable[[int, EpisodeData], None],
+        device: torch.device,
+        max_macro_steps: int | None = None,
+        seed: int = 0,
+        record_frames: bool = True,
+        graphed: GraphedSampler | None = None,
+    ):
+        """record_frames False (eval) skips rendering the +4/+8 frames only the reward uses.
+        seed: the run's generator, for episodes without their own noise_seed.
+        graphed: a GraphedSampler to reuse (e.g. already warmed up); by default one is made
+        here when sampler.cuda_graphs and the device is CUDA, and its graphs are captured
+        while the envs build and reset for their first episodes."""
+        self.t_start = time.perf_counter()
+        self.model, self.pool, self.sampler, self.batching = model, pool, sampler, batching
+        self.on_episode, self.device = on_episode, device
+        self.max_macro_steps, self.record_frames = max_macro_steps, record_frames
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        capture = graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda"
+        self.capture = capture and sampler.scheduler_dtype == torch.float32  # float32 steps only
+        if self.capture:
+            graphed = GraphedSampler(
+                model.policy,
+                sampler.K,
+                sampler.a,
+                sampler.shift,
+                min(len(pool), sampler.max_batch or len(pool)),
+                amp=sampler.amp,
+                compile=sampler.compile,
+                fixed_batch=batching.pad_to is not None,
+            )
+        self.graphed = graphed
+        step_cap = math.inf if max_macro_steps is None else max_macro_steps * pool.replan
+        self.todo = sorted(
+            enumerate(specs), key=lambda item: -min(item[1].task.max_steps, step_cap)
+        )
+        self.running: dict[int, _Running] = {}
+        self.env_task: dict[int, int] = {}  # the task whose env each slot's process holds
+        self.arrivals = 0
+        self.console: Console | None = None
+        self.stats: dict[str, float] = {
+            "queries": 0, "batches": 0, "env_steps": 0, "crashed": 0, "answer_s": 0.0
+        }  # fmt: skip
+
+    def start(self, slot: int) -> None:
+        """Start the next waiting episode on a free slot (next_spec picks which)."""
+        busy = {ep.spec.task.index for ep in self.running.values()}
+        j = next_spec([s.task.index for _, s in self.todo], self.env_task.get(slot), busy)
+        i, spec = self.todo.pop(j)
+        self.env_task[slot] = spec.task.index
+        gen = None
+        if spec.noise_seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(spec.noise_seed)
+        self.running[slot] = _Running(i, spec, gen)
+        self.pool.start_episode(
+            slot, spec.task, spec.init_state, spec.record_video, self.max_macro_steps,
+            self.record_frames,
+        )  # fmt: skip
+
+    def on_event(self, ev: Event) -> EpisodeData | None:
+        """Record one pool event; an episode that ends goes to on_episode, its slot starts the
+        next waiting one, and its data is returned."""
+        ep = self.running.get(ev.slot)
+        if ep is None:
+            return None
+        if isinstance(ev, Query):
+            ep.pending = (ev.image, self.model.normalizer.normalize_state(ev.proprio_raw))
+            ep.waiting_since, self.arrivals = self.arrivals, self.arrivals + 1
+            if ep.spec.record_video and not ep.video:
+                ep.video.append(ev.image)
+                ep.video_proprio.append(ev.proprio_raw)
+            return None
+        if isinstance(ev, StepResult):
+            ep.frames.append(ev.frames)
+            ep.success = ep.success or ev.success
+            self.stats["env_steps"] += ev.env_steps
+            if ev.video is not None:
+                ep.video.extend(ev.video)
+                ep.video_proprio.extend(ev.video_proprio)
+            if not ev.done:
+                return None
+            crashed = False
+        elif isinstance(ev, Crashed):
+            crashed = True
+            self.stats["crashed"] += 1
+            self.env_task.pop(ev.slot, None)  # a fresh process builds its env anew
+            last = ev.error.strip().splitlines()[-1] if ev.error.strip() else "?"
+            (self.console or Console(stderr=True)).print(
+                f"[yellow]env crashed: task {ep.spec.task.index}, init state "
+                f"{ep.spec.init_state}, macro-step {len(ep.frames)}: {last}"
+            )
+        else:  # pragma: no cover - the pool has three event kinds
+            raise TypeError(f"unknown pool event {ev!r}")
+        data = ep.finish(crashed)
+        self.on_episode(ep.index, data)
+        del self.running[ev.slot]
+        if self.todo:
+            self.start(ev.slot)
+        return data
+
+    def answer_ready(self) -> None:
+        """Answer the waiting queries that are due, batch by batch."""
+        waiting = {s: ep.waiting_since for s, ep in self.running.items() if ep.pending is not None}
+        for part in self.batching.ready(waiting, len(self.running)):
+            t0 = time.perf_counter()
+            _answer(
+                self.model, self.pool, self.running, part, self.sampler, self.generator,
+                self.device, self.graphed, self.batching.rows(len(part)),
+            )  # fmt: skip
+            self.stats["answer_s"] += time.perf_counter() - t0
+            self.stats["queries"] += len(part)
+            self.stats["batches"] += 1
+            self.stats.setdefault("first_query_s", time.perf_counter() - self.t_start)
+
+    def run(self, description: str = "rollout") -> dict[str, float]:
+        """Run every episode; returns counts (queries, batches, env_steps, crashed),
+        first_query_s: the seconds until the first batch was answered (env builds, resets,
+        graph capture), and answer_s: the seconds spent answering (policy queries, start to
+        actions sent)."""
+        with progress_bar() as bar:
+            self.console = bar.console
+            job = bar.add_task(description, total=len(self.todo), info="")
+            for slot in range(min(len(self.pool), len(self.todo))):
+                self.start(slot)
+            if self.capture and self.graphed is not None:  # a throwaway query per batch bucket
+                m = self.model  # ... captured while the envs build
+                image, proprio = torch.zeros(1, 3, *IMAGE_HW), torch.zeros(1, PROPRIO_DIM)
+                obs = Obs(image, proprio, m.context[:1], m.context_mask[:1]).to(self.device)
+                self.graphed.warm_up(obs)
+            done = successes = 0
+            while self.running:
+                # Queries left unanswered by the batch cap: look for news without blocking.
+                backlog = any(ep.pending is not None for ep in self.running.values())
+                events = self.pool.poll(timeout=0.0 if backlog else None)
+                events += self.pool.poll(timeout=0.0)
+                for ev in events:
+                    data = self.on_event(ev)
+                    if data is not None:
+                        done, successes = done + 1, successes + int(data.success)
+                        bar.update(job, advance=1, info=f"success {successes}/{done}")
+                self.answer_ready()
+        return self.stats
+
+
 def run_episodes(
     policy: Policy,
     pool: EnvPool,
@@ -235,160 +383,18 @@ def run_episodes(
     graphed: GraphedSampler | None = None,
     fixed_batch: bool = False,
 ) -> dict[str, float]:
-    """Run every spec to completion on the pool; `on_episode(i, data)` gets each finished one.
-
-    lockstep: answer only when every running episode waits, so each batch holds the same
-    episodes on every rerun; otherwise whoever waits is answered at once (batch composition
-    then follows process timing, which fixed_batch makes harmless).
-
-    sampler.max_batch caps one query batch. Lockstep answers all waiting in batches of that
-    size, in slot order; otherwise the longest-waiting are answered first and the rest in
-    the next batch, so envs fall into groups that step while another group is queried.
-
-    record_frames False (eval) skips rendering the +4/+8 frames that only the reward uses.
-
-    fixed_batch (eval): every query batch is padded to the largest batch (the pool size or
-    sampler.max_batch), repeating its first row. A row's result then depends only on its
-    own inputs, not on which envs happened to wait with it (matmul kernels differ with the
-    batch size, not with the other rows; on the CPU given one torch thread, as the stages
-    set), so with per-episode noise seeds a rerun gives the same bits whatever the timing,
-    async or lockstep (tests/test_stages.py, tests/test_graphed.py).
-
-    A crashed env process ends its episode as failed and truncated (env_crashed); the pool
-    restarts the process for the next episode and the run goes on.
-
-    graphed: a GraphedSampler to reuse (e.g. already warmed up); by default one is made here
-    when sampler.cuda_graphs and the device is CUDA, and its graphs are captured while the
-    envs build and reset for their first episodes.
-
-    Episodes start longest step budget first (libero_10 before the rest), so the long ones
-    do not run alone at the end while the other envs idle.
-
-    Returns counts (queries, batches, env_steps, crashed), first_query_s: the seconds until
-    the first batch was answered (env builds, resets, graph capture), and answer_s: the
-    seconds spent answering (policy queries, start to actions sent).
-    """
-    t_start = time.perf_counter()
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    capture = graphed is None and sampler.cuda_graphs and torch.device(device).type == "cuda"
-    capture = capture and sampler.scheduler_dtype == torch.float32  # graphs: float32 steps only
+    """Run every spec to completion on the pool (EpisodeRunner); `on_episode(i, data)` gets
+    each finished one. lockstep and fixed_batch: see Batching (fixed_batch pads every batch
+    to the largest, the pool size or sampler.max_batch); sampler.max_batch caps one batch.
+    Returns EpisodeRunner.run's stats."""
     largest = min(len(pool), sampler.max_batch or len(pool))
-    if capture:
-        graphed = GraphedSampler(
-            policy,
-            sampler.K,
-            sampler.a,
-            sampler.shift,
-            largest,
-            amp=sampler.amp,
-            compile=sampler.compile,
-            fixed_batch=fixed_batch,
-        )
-    replan = pool.replan
-    step_cap = math.inf if max_macro_steps is None else max_macro_steps * replan
-    todo = sorted(enumerate(specs), key=lambda item: -min(item[1].task.max_steps, step_cap))
-    running: dict[int, _Running] = {}
-    env_task: dict[int, int] = {}  # the task whose env each slot's process holds
-    stats: dict[str, float] = {
-        "queries": 0, "batches": 0, "env_steps": 0, "crashed": 0, "answer_s": 0.0
-    }  # fmt: skip
-
-    def start(slot: int) -> None:
-        busy = {ep.spec.task.index for ep in running.values()}
-        j = next_spec([s.task.index for _, s in todo], env_task.get(slot), busy)
-        i, spec = todo.pop(j)
-        env_task[slot] = spec.task.index
-        gen = None
-        if spec.noise_seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(spec.noise_seed)
-        running[slot] = _Running(i, spec, gen)
-        pool.start_episode(
-            slot, spec.task, spec.init_state, spec.record_video, max_macro_steps, record_frames
-        )
-
-    with progress_bar() as bar:
-        job = bar.add_task(description, total=len(specs), info="")
-        for slot in range(min(len(pool), len(todo))):
-            start(slot)
-        if capture:  # one throwaway query per batch bucket, while the envs build
-            image, proprio = torch.zeros(1, 3, 224, 448), torch.zeros(1, PROPRIO_DIM)
-            graphed.warm_up(Obs(image, proprio, context[:1], context_mask[:1]).to(device))
-        done_count = successes = arrivals = 0
-        while running:
-            # Queries left unanswered by the batch cap: look for news without blocking.
-            backlog = any(ep.pending is not None for ep in running.values())
-            events = pool.poll(timeout=0.0 if backlog else None)
-            events += pool.poll(timeout=0.0)
-            for ev in events:
-                ep = running.get(ev.slot)
-                if ep is None:
-                    continue
-                if isinstance(ev, Query):
-                    ep.pending = (ev.image, normalizer.normalize_state(ev.proprio_raw))
-                    ep.waiting_since, arrivals = arrivals, arrivals + 1
-                    if ep.spec.record_video and not ep.video:
-                        ep.video.append(ev.image)
-                        ep.video_proprio.append(ev.proprio_raw)
-                    continue
-                if isinstance(ev, StepResult):
-                    ep.frames.append(ev.frames)
-                    ep.success = ep.success or ev.success
-                    stats["env_steps"] += ev.env_steps
-                    if ev.video is not None:
-                        ep.video.extend(ev.video)
-                        ep.video_proprio.extend(ev.video_proprio)
-                    if not ev.done:
-                        continue
-                    crashed = False
-                elif isinstance(ev, Crashed):
-                    crashed = True
-                    stats["crashed"] += 1
-                    env_task.pop(ev.slot, None)  # a fresh process builds its env anew
-                    last = ev.error.strip().splitlines()[-1] if ev.error.strip() else "?"
-                    bar.console.print(
-                        f"[yellow]env crashed: task {ep.spec.task.index}, init state "
-                        f"{ep.spec.init_state}, macro-step {len(ep.frames)}: {last}"
-                    )
-                else:  # pragma: no cover - the pool has three event kinds
-                    raise TypeError(f"unknown pool event {ev!r}")
-                data = ep.finish(crashed)
-                on_episode(ep.index, data)
-                del running[ev.slot]
-                done_count += 1
-                successes += int(data.success)
-                bar.update(job, advance=1, info=f"success {successes}/{done_count}")
-                if todo:
-                    start(ev.slot)
-            waiting = [s for s, ep in running.items() if ep.pending is not None]
-            if waiting and (not lockstep or len(waiting) == len(running)):
-                if lockstep:
-                    waiting.sort()
-                else:
-                    waiting.sort(key=lambda s: running[s].waiting_since)
-                cap = sampler.max_batch or len(waiting)
-                parts = [waiting[i : i + cap] for i in range(0, len(waiting), cap)]
-                for part in parts if lockstep else parts[:1]:
-                    t0 = time.perf_counter()
-                    _answer(
-                        policy,
-                        pool,
-                        running,
-                        part,
-                        context,
-                        context_mask,
-                        normalizer,
-                        sampler,
-                        generator,
-                        device,
-                        replan,
-                        graphed,
-                        pad_to=largest if fixed_batch else None,
-                    )
-                    stats["answer_s"] += time.perf_counter() - t0
-                    stats["queries"] += len(part)
-                    stats["batches"] += 1
-                    stats.setdefault("first_query_s", time.perf_counter() - t_start)
-    return stats
+    batching = Batching(lockstep, sampler.max_batch, largest if fixed_batch else None)
+    model = QueryModel(policy, context, context_mask, normalizer)
+    runner = EpisodeRunner(
+        model, pool, specs, sampler, batching, on_episode, device, max_macro_steps, seed,
+        record_frames, graphed,
+    )  # fmt: skip
+    return runner.run(description)
 
 
 def _episode_noise(ep: _Running, K: int, a: float) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -398,28 +404,25 @@ def _episode_noise(ep: _Running, K: int, a: float) -> tuple[torch.Tensor, int, t
     (every query starts from the same x_0)."""
     if ep.spec.reseed_each_query:
         ep.generator.manual_seed(ep.spec.noise_seed)
-    x0 = torch.randn(32, 7, generator=ep.generator)
+    x0 = torch.randn(CHUNK_LEN, ACTION_DIM, generator=ep.generator)
     if a <= 0:
-        return x0, 0, torch.zeros(32, 7)
+        return x0, 0, torch.zeros(CHUNK_LEN, ACTION_DIM)
     k_star = int(draw_kstar(1, K, ep.generator)[0])
-    return x0, k_star, torch.randn(32, 7, generator=ep.generator)
+    return x0, k_star, torch.randn(CHUNK_LEN, ACTION_DIM, generator=ep.generator)
 
 
 def _answer(
-    policy: Policy,
+    model: QueryModel,
     pool: EnvPool,
     running: dict[int, _Running],
     slots: list[int],
-    context: torch.Tensor,
-    context_mask: torch.Tensor,
-    normalizer: Normalizer,
     sampler: SamplerSettings,
     generator: torch.Generator,
     device: torch.device,
-    replan: int,
     graphed: GraphedSampler | None = None,
-    pad_to: int | None = None,
+    rows: list[int] | None = None,
 ) -> None:
+    """One batched query for `slots`; each gets its chunk. rows: Batching.rows' padding."""
     eps = [running[s] for s in slots]
     images = np.stack([ep.pending[0] for ep in eps])
     proprio = np.stack([ep.pending[1] for ep in eps]).astype(np.float32)
@@ -428,8 +431,8 @@ def _answer(
         # uint8 to the device, converted there: a quarter of the bytes, no CPU float pass
         image_to_model_input(torch.from_numpy(images).to(device)),
         torch.from_numpy(proprio),
-        context[tasks],
-        context_mask[tasks],
+        model.context[tasks],
+        model.context_mask[tasks],
     ).to(device)
     x0 = k_star = xi = None
     if all(ep.generator is not None for ep in eps):  # per-episode reproducible noise
@@ -437,15 +440,15 @@ def _answer(
         x0 = torch.stack([n[0] for n in noise]).to(device)
         k_star = torch.tensor([n[1] for n in noise], dtype=torch.long)
         xi = torch.stack([n[2] for n in noise])
-    if pad_to is not None and pad_to > len(eps):  # fixed_batch: the padding repeats row 0
-        rows = torch.tensor([*range(len(eps)), *[0] * (pad_to - len(eps))], device=device)
-        obs = Obs(obs.image[rows], obs.proprio[rows], obs.context[rows], obs.context_mask[rows])
+    if rows is not None:  # fixed_batch: the padding repeats row 0
+        index = torch.tensor(rows, device=device)
+        obs = Obs(obs.image[index], obs.proprio[index], obs.context[index], obs.context_mask[index])
         if x0 is not None:
-            x0, k_star, xi = x0[rows], k_star[rows.cpu()], xi[rows.cpu()]
+            x0, k_star, xi = x0[index], k_star[index.cpu()], xi[index.cpu()]
     if graphed is not None:
         out = graphed.query(obs, generator, x0=x0, k_star=k_star, xi=xi)
     else:
-        out = query_chunks(policy, obs, sampler, generator, x0=x0, k_star=k_star, xi=xi)
+        out = query_chunks(model.policy, obs, sampler, generator, x0=x0, k_star=k_star, xi=xi)
     wait_sleeping(device)  # the copies below would spin a core that an env needs
     chain = out.chain.float().cpu().numpy()
     k_star = out.k_star.cpu().numpy()
@@ -457,4 +460,4 @@ def _answer(
         ep.k_star.append(int(k_star[j]))
         ep.logp.append(float(logp[j]))
         ep.pending = None
-        pool.send_chunk(slot, env_actions(chain[j, -1], normalizer, replan))
+        pool.send_chunk(slot, env_actions(chain[j, -1], model.normalizer, pool.replan))
