@@ -34,15 +34,14 @@ from wamrl.artifact import (
 )
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import check_made_under
-from wamrl.master import MasterWeightOptimizer
-from wamrl.ppo import (
-    actor_update,
-    load_actor_data,
+from wamrl.ppo import actor_update, load_actor_data
+from wamrl.runtime import pick_device
+from wamrl.training import (
     optimizer_from_tensors,
     optimizer_to_tensors,
     param_names,
+    trainable_optimizer,
 )
-from wamrl.runtime import pick_device
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
@@ -90,14 +89,8 @@ def _run(
         if float(acfg["ref_kl"]) != 0
         else None
     )
-    params = policy.parameter_groups()["actor"]
+    params, opt = trainable_optimizer(policy, "actor", float(acfg["lr"]))  # video expert frozen
     names = param_names(policy, params)
-    ids = {id(p) for p in params}
-    for p in policy.parameters():  # the video expert is frozen in this stage
-        p.requires_grad_(id(p) in ids)
-    lr = float(acfg["lr"])
-    # Float32 masters for non-float32 (bf16) parameters; a no-op wrapper on float32 ones.
-    opt = MasterWeightOptimizer(params, lambda ps: torch.optim.Adam(ps, lr=lr))
     restored = masters_restored = 0
     prev_actor = paths.actor_dir(run_dir, iteration - 1)
     if prev_actor.is_dir():

@@ -20,8 +20,8 @@ from wamrl import paths, store, tb
 from wamrl.artifact import checkpoint_hashes, load_tensors, save_tensors, verify_checkpoint
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.envs.conventions import Normalizer
-from wamrl.ppo import param_names
 from wamrl.runtime import pick_device
+from wamrl.training import param_names
 from wamrl.world_model import WindowBatches, list_windows, world_model_update
 
 

@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from wamrl import distributed, ppo
+from wamrl import distributed, ppo, training
 from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.tiny import TinyConfig, TinyWAM
 
@@ -110,7 +110,7 @@ def _update(cfg: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any
     lr = float(cfg["actor"]["lr"])
     opt = MasterWeightOptimizer(params, lambda ps: torch.optim.Adam(ps, lr=lr, eps=EPS))
     metrics = ppo.actor_update(policy, ref, _data(), cfg, opt, seed=7)
-    names = ppo.param_names(policy, params)
+    names = training.param_names(policy, params)
     state = policy.state_dict()
     return {n: state[n].detach().clone().contiguous() for n in names}, metrics
 

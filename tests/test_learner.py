@@ -20,7 +20,7 @@ import yaml
 import zarr
 from safetensors.torch import load_file
 
-from wamrl import paths, ppo, store
+from wamrl import paths, ppo, store, training
 from wamrl import world_model as wm
 from wamrl.atomic import sha256_file, write_json
 from wamrl.policy.base import Obs
@@ -306,7 +306,7 @@ def test_nan_stops_actor_stage_before_writing(run_after_reward, monkeypatch) -> 
         return loss * float("nan"), stats
 
     monkeypatch.setattr(ppo, "ppo_loss", nan_loss)
-    with pytest.raises(ppo.NonFiniteError):
+    with pytest.raises(training.NonFiniteError):
         stages.actor.main(cfg, run, 1)
     assert not paths.actor_dir(run, 1).exists()
 

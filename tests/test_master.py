@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
-from wamrl import paths, ppo
+from wamrl import paths, ppo, training
 from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.tiny import TinyConfig, TinyWAM
 
@@ -93,12 +93,12 @@ def test_optimizer_state_and_masters_round_trip() -> None:
 
     ps, opt = fresh(w0, b0)
     _steps(opt, ps, grads, 3)
-    tensors, meta = ppo.optimizer_to_tensors(opt.inner, names)
+    tensors, meta = training.optimizer_to_tensors(opt.inner, names)
     assert meta["type"] == "Adam" and meta["params"] == names
     assert tensors["w.exp_avg"].dtype == torch.float32  # the moments live on the masters
     assert set(tensors) == {f"{n}.{k}" for n in names for k in ("exp_avg", "exp_avg_sq", "step")}
     # The wrapper exposes the inner optimizer's groups and state as its own, too.
-    via_wrapper, _ = ppo.optimizer_to_tensors(opt, names)  # type: ignore[arg-type]
+    via_wrapper, _ = training.optimizer_to_tensors(opt, names)  # type: ignore[arg-type]
     assert all(torch.equal(via_wrapper[k], tensors[k]) for k in tensors)
     masters = opt.master_tensors(names)
     assert set(masters) == {"w"} and masters["w"].dtype == torch.float32
@@ -108,10 +108,10 @@ def test_optimizer_state_and_masters_round_trip() -> None:
     # A new run from the saved bf16 weights (what the merged checkpoint holds).
     ps2, opt2 = fresh(ps[0].detach(), ps[1].detach())
     assert opt2.load_masters(names, masters) == 1
-    assert ppo.optimizer_from_tensors(opt2.inner, names, tensors) == 2
+    assert training.optimizer_from_tensors(opt2.inner, names, tensors) == 2
     # Without the masters, the sub-ulp part of the first 3 steps is lost.
     ps3, opt3 = fresh(ps[0].detach(), ps[1].detach())
-    assert ppo.optimizer_from_tensors(opt3.inner, names, tensors) == 2
+    assert training.optimizer_from_tensors(opt3.inner, names, tensors) == 2
     _steps(opt, ps, grads, 4)
     _steps(opt2, ps2, grads, 4)
     _steps(opt3, ps3, grads, 4)
@@ -243,7 +243,7 @@ def _run_actor_stage(
 def test_actor_stage_saves_and_restores_masters(tmp_path, monkeypatch) -> None:
     cfg = _cfg(3, 4)
     policy = _policy(torch.bfloat16)
-    names = ppo.param_names(policy, policy.parameter_groups()["actor"])
+    names = training.param_names(policy, policy.parameter_groups()["actor"])
     m1 = _run_actor_stage(monkeypatch, tmp_path, 1, policy, cfg)
     assert m1["master_weights_params"] == len(names)
     assert m1["master_weights_restored_params"] == 0

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from wamrl.ppo import optimizer_from_tensors, optimizer_to_tensors, ppo_loss
+from wamrl.ppo import ppo_loss
 from wamrl.sampler import gaussian_kl
+from wamrl.training import optimizer_from_tensors, optimizer_to_tensors
 
 
 def _hand_loss(ratios: list[float], advs: list[float], lo: float, hi: float) -> float:

@@ -40,9 +40,8 @@ import torch
 from torch import Tensor
 
 from wamrl.envs.conventions import Normalizer
-from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.base import FRAME_STRIDE, Policy
-from wamrl.ppo import NonFiniteError
+from wamrl.training import NonFiniteError, trainable_optimizer
 
 VAR_FLOOR = 1e-6  # variances below this are clamped: a dead feature must not divide by 0
 
@@ -162,13 +161,8 @@ def world_model_update(
         metrics["sigma_ref"] = "carried from an earlier iteration"
     kl = FeatureKL(sigma_ref, sigma_theta, float(wcfg["ema"]))
 
-    lora = [p for p in policy.parameter_groups()["world_model"]]
-    lora_ids = {id(p) for p in lora}
-    for p in policy.parameters():  # only LoRA trains: no grads for the rest of the model
-        p.requires_grad_(id(p) in lora_ids)
-    # LoRA is bf16 on `fastwam`: float32 masters keep its 5e-5 steps from rounding away.
-    lr = float(wcfg["lr"])
-    opt = MasterWeightOptimizer(lora, lambda ps: torch.optim.Adam(ps, lr=lr))
+    # Only LoRA trains. It is bf16 on `fastwam`: float32 masters keep its 5e-5 steps.
+    lora, opt = trainable_optimizer(policy, "world_model", float(wcfg["lr"]))
     policy.train()
     lam = float(wcfg["kl_weight"])
     rows: list[dict[str, float]] = []
