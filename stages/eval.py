@@ -34,6 +34,7 @@ from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import resolve_path
 from wamrl.envs.tasks import Task, tasks_in_suites
 from wamrl.runtime import pick_device, set_gl_backend
+from wamrl.seeding import derive_seed
 
 # Fast-WAM's LIBERO eval (configs/train.yaml and sim_libero.yaml of the official repository):
 # eval_num_inference_steps 10, seed 42 passed to every infer_action, EVALUATION.num_trials 50.
@@ -74,7 +75,7 @@ def episode_noise(protocol: Protocol, eval_seed: int, task: int, k: int) -> tupl
     """(noise seed, reseed at every query) of a task's k-th episode."""
     if protocol.noise == "reseed_42":
         return OFFICIAL_NOISE_SEED, True
-    return int(np.random.SeedSequence([eval_seed, task, k]).generate_state(1)[0]), False
+    return derive_seed(eval_seed, task, k), False
 
 
 def reference_rates(cfg: dict[str, Any], tasks: list[Task]) -> dict[str, Any] | None:

@@ -12,13 +12,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from wamrl import paths, tb
 from wamrl.envs.tasks import tasks_in_suites
 from wamrl.plan import make_plan, shard_specs
 from wamrl.runtime import pick_device, set_gl_backend
+from wamrl.seeding import derive_seed
 
 
 def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
@@ -83,9 +83,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 normalizer,
                 SamplerSettings.from_config(s),
                 cfg["env"]["max_macro_steps"],
-                seed=int(
-                    np.random.SeedSequence([cfg["seed"], iteration, worker]).generate_state(1)[0]
-                ),
+                seed=derive_seed(cfg["seed"], iteration, worker),
                 on_episode=writer.write_episode,
                 device=device,
                 description=f"rollout iter {iteration} shard {worker}",

@@ -17,6 +17,7 @@ import numpy as np
 
 from wamrl import paths
 from wamrl.envs.tasks import Task, load_tasks
+from wamrl.seeding import derive_seed
 
 PRIOR = 0.5  # (successes + PRIOR) / (episodes + 2 PRIOR): an unseen task counts 0.5
 
@@ -98,7 +99,7 @@ def rollout_plan(
 
 def episode_seed(seed: int, iteration: int, group: int, member: int) -> int:
     """The noise seed of one rollout episode (a 32-bit value of a SeedSequence)."""
-    return int(np.random.SeedSequence([seed, iteration, group, member]).generate_state(1)[0])
+    return derive_seed(seed, iteration, group, member)
 
 
 def shard_specs(specs: list[EpisodeSpec], worker: int, workers: int) -> list[EpisodeSpec]:
