@@ -247,7 +247,7 @@ class EpisodeRunner:
                 sampler.K,
                 sampler.a,
                 sampler.shift,
-                min(len(pool), sampler.max_batch or len(pool)),
+                batching.pad_to or min(len(pool), sampler.max_batch or len(pool)),
                 amp=sampler.amp,
                 compile=sampler.compile,
                 fixed_batch=batching.pad_to is not None,
