@@ -131,8 +131,8 @@ def _chunk_file(path: Path, array: str, coords: tuple[int, ...]) -> Path:
 
 
 def test_constants_match_policy_interface() -> None:
+    from wamrl import contract as base
     from wamrl import store
-    from wamrl.policy import base
 
     assert (store.CHUNK_LEN, store.ACTION_DIM, store.PROPRIO_DIM, store.IMAGE_HW) == (
         base.CHUNK_LEN,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from wamrl import distributed
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, IMAGE_HW, PROPRIO_DIM, uint8_to_model
 from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.base import Obs, Policy
 from wamrl.runtime import AMP_DTYPES, autocast
@@ -110,10 +111,9 @@ class ActorData:
 
     def obs(self, idx: np.ndarray, device: torch.device | str) -> Obs:
         image = torch.from_numpy(self.image[idx]).to(device)
-        image = image.permute(0, 3, 1, 2).float() * (2.0 / 255.0) - 1.0  # HWC uint8 -> CHW [-1, 1]
         task = torch.from_numpy(self.task[idx]).to(self.context.device)
         return Obs(
-            image=image,
+            image=uint8_to_model(image),
             proprio=torch.from_numpy(self.proprio[idx]).float().to(device),
             context=self.context[task].to(device),
             context_mask=self.context_mask[task].to(device),
@@ -604,10 +604,10 @@ def load_actor_data(
             cols["adv"].append(adv[e, ts])
             cols["where"].append(np.stack([np.full(ts.size, w), np.full(ts.size, e), ts], axis=1))
     empty = {
-        "image": (0, 224, 448, 3),
-        "proprio": (0, 8),
-        "x_k": (0, 32, 7),
-        "x_next": (0, 32, 7),
+        "image": (0, *IMAGE_HW, 3),
+        "proprio": (0, PROPRIO_DIM),
+        "x_k": (0, CHUNK_LEN, ACTION_DIM),
+        "x_next": (0, CHUNK_LEN, ACTION_DIM),
         "where": (0, 3),
     }
     out = {}

@@ -22,9 +22,8 @@ import zarr
 from torch import Tensor
 
 from wamrl import advantages as A
+from wamrl.contract import N_FUTURE, uint8_to_model
 from wamrl.policy.base import Obs, Policy
-
-NUM_FUTURE = 2  # offsets +4 and +8
 
 
 def step_seed(base: int, shard: int, episode: int, step: int) -> int:
@@ -39,7 +38,7 @@ def images_to_model(x: np.ndarray | Tensor) -> Tensor:
     A tensor is converted where it lies: move uint8 to the GPU first (a quarter of the
     bytes, no CPU float pass)."""
     t = x if isinstance(x, Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-    return (t.float() * (2.0 / 255.0) - 1.0).movedim(-1, -3)
+    return uint8_to_model(t)
 
 
 def open_rollout(path: Path) -> zarr.Group:
@@ -115,7 +114,7 @@ def reconstruction_rewards(
             )
             e0, t0 = (int(v) for v in pairs[0])
             gen = torch.Generator(device=device).manual_seed(step_seed(seed, shard, e0, t0))
-            imagined = policy.imagine(obs, NUM_FUTURE, steps=imagine_steps, generator=gen).float()
+            imagined = policy.imagine(obs, N_FUTURE, steps=imagine_steps, generator=gen).float()
             target = images_to_model(torch.from_numpy(fr).to(device))  # [B, 2, 3, H, W]
             if imagined.shape != target.shape:
                 raise ValueError(

@@ -42,17 +42,14 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 
 from wamrl import faults
 from wamrl.atomic import leftovers, make_temp_dir, replace_dir, settle
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, IMAGE_HW, N_FUTURE, PROPRIO_DIM
 
 # Snakemake drops a `.snakemake_timestamp` file into every directory output (a store here);
 # it is not part of the hierarchy and zarr's warning about it would only be noise.
 warnings.filterwarnings("ignore", message=r"Object at \.snakemake_timestamp", category=UserWarning)
 
 SCHEMA_VERSION = 1
-# Same values as wamrl.policy.base (checked by tests/test_store.py); not imported from
-# there so that `wamrl inspect` and notebook readers do not pull in torch.
-CHUNK_LEN, ACTION_DIM, PROPRIO_DIM, IMAGE_HW = 32, 7, 8, (224, 448)
 H, W = IMAGE_HW
-N_FUTURE = 2  # rendered frames at +4 and +8 env steps
 IMAGE_T_CHUNK = 4  # image chunk (1, 4, 224, 448, 3) = 1.2 MB raw; frames chunk 2.4 MB
 VIDEO_T_CHUNK = 8  # video chunk (1, 8, 224, 448, 3) = 2.4 MB raw
 

@@ -39,9 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from wamrl.contract import FRAME_STRIDE, uint8_to_model
 from wamrl.envs.conventions import Normalizer
 from wamrl.master import MasterWeightOptimizer
-from wamrl.policy.base import FRAME_STRIDE, Policy
+from wamrl.policy.base import Policy
 from wamrl.ppo import NonFiniteError
 
 VAR_FLOOR = 1e-6  # variances below this are clamped: a dead feature must not divide by 0
@@ -70,8 +71,7 @@ def window_indices(t0: int, window_frames: int = 33, stride: int = 4) -> np.ndar
 
 def frames_to_model(frames: np.ndarray) -> Tensor:
     """uint8 [..., H, W, 3] -> float32 [..., 3, H, W] in [-1, 1] (x * 2 / 255 - 1)."""
-    x = torch.from_numpy(np.ascontiguousarray(frames)).float() * (2.0 / 255.0) - 1.0
-    return x.movedim(-1, -3)
+    return uint8_to_model(torch.from_numpy(np.ascontiguousarray(frames)))
 
 
 def diag_gauss_kl(z: Tensor, var: Tensor, z_ref: Tensor, var_ref: Tensor) -> Tensor:

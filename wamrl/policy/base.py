@@ -24,11 +24,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-CHUNK_LEN = 32  # actions per query (the RL action is the whole 32 x 7 chunk)
-ACTION_DIM = 7
-PROPRIO_DIM = 8
-IMAGE_HW = (224, 448)  # agentview | wrist, side by side
-FRAME_STRIDE = 4  # video frames are every 4th env step: imagined offsets are +4, +8, ...
+# Defined in wamrl.contract; re-exported for the samplers and the rollout, which read
+# them from the policy interface.
+from wamrl.contract import ACTION_DIM as ACTION_DIM
+from wamrl.contract import CHUNK_LEN as CHUNK_LEN
+from wamrl.contract import PROPRIO_DIM as PROPRIO_DIM
 
 
 def generator_device(generator: torch.Generator | None) -> torch.device:
