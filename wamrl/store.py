@@ -25,6 +25,7 @@ are reported as unchecked, not as invalid (`checksum_coverage`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -920,16 +921,7 @@ def _expected_chunks(
             yield (i,)
             continue
         for j in range(n_step):
-            yield from ((i, j, *r) for r in _product(rest))
-
-
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for x in ranges[0]:
-        for r in _product(ranges[1:]):
-            yield (x, *r)
+            yield from ((i, j, *r) for r in itertools.product(*rest))
 
 
 def _chunk_problems(

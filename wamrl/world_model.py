@@ -64,11 +64,6 @@ def window_starts(length: int, window_frames: int = 33, max_windows: int = 8) ->
     return sorted({int(round(x)) for x in np.linspace(0, last, n)})
 
 
-def window_indices(t0: int, window_frames: int = 33, stride: int = 4) -> np.ndarray:
-    """Raw frame indices of one window: t0, t0 + 4, ..., t0 + 32 (9 frames for 33)."""
-    return np.arange(t0, t0 + window_frames, stride)
-
-
 def frames_to_model(frames: np.ndarray) -> Tensor:
     """uint8 [..., H, W, 3] -> float32 [..., 3, H, W] in [-1, 1] (x * 2 / 255 - 1)."""
     return uint8_to_model(torch.from_numpy(np.ascontiguousarray(frames)))
