@@ -24,10 +24,9 @@ from wamrl.store import (
     load_steps,
     open_store,
     read_episode_table,
-    store_sizes,
-    validate_store,
     write_reward_group,
 )
+from wamrl.store_check import store_sizes, validate_store
 
 K, T, TV = 4, 6, 13
 LENGTHS = (6, 3, 1)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wamrl.atomic import make_temp_dir, replace_dir
+from wamrl.atomic import atomic_dir
 from wamrl.contract import ACTION_DIM, CHUNK_LEN, FRAME_STRIDE, IMAGE_HW, PROPRIO_DIM
 from wamrl.envs.conventions import stats_entry
 from wamrl.store import (
@@ -168,8 +167,7 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
     path = Path(path)
     E = len(demos)
     S = max(d.length for d in demos)
-    tmp = make_temp_dir(path, 0o755)
-    try:
+    with atomic_dir(path, 0o755) as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.attrs.update(
             json.loads(
@@ -215,10 +213,6 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
             img[i, : len(d.images)] = d.images
             frm[i, : len(d.frames)] = d.frames
         root.attrs["complete"] = True
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @dataclass
