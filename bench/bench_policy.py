@@ -29,8 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from wamrl.config import load_config
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM
 from wamrl.graphed import GraphedSampler
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs
+from wamrl.policy.base import Obs
 from wamrl.policy.tiny import TinyWAM, build_tiny
 from wamrl.runtime import wait_sleeping
 from wamrl.sampler import sample_chunk

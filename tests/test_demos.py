@@ -11,8 +11,8 @@ import zarr
 
 from stages.demos import attempts
 from wamrl.config import load_config
+from wamrl.contract import CHUNK_LEN
 from wamrl.demos import (
-    CHUNK,
     Demo,
     DemoSet,
     action_chunk,
@@ -53,7 +53,7 @@ def test_action_chunk_holds_still_past_the_end() -> None:
     action = np.arange(40 * 7, dtype=np.float32).reshape(40, 7)
     np.testing.assert_array_equal(action_chunk(action, 0), action[:32])
     tail = action_chunk(action, 30)
-    assert tail.shape == (CHUNK, 7)
+    assert tail.shape == (CHUNK_LEN, 7)
     np.testing.assert_array_equal(tail[:10], action[30:40])
     np.testing.assert_array_equal(tail[10:, :6], 0.0)  # no motion
     np.testing.assert_array_equal(tail[10:, 6], action[-1, 6])  # the last gripper command

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zarr
 
-from wamrl import atomic, paths, store
+from wamrl import atomic, paths, store, store_check
 from wamrl.atomic import sha256_file
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +56,7 @@ def test_every_output_exists(run):
     assert (paths.policy_dir(run, 0) / "context.safetensors").is_file()
     for n in (1, 2):
         for w in range(2):
-            assert store.validate_store(paths.shard_path(run, n, w), deep=True) == []
+            assert store_check.validate_store(paths.shard_path(run, n, w), deep=True) == []
         assert paths.reward_done(run, n).is_file()
         assert (paths.actor_dir(run, n) / "metrics.json").is_file()
         assert (paths.world_model_dir(run, n) / "metrics.json").is_file()

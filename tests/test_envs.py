@@ -14,8 +14,8 @@ os.environ.setdefault("MUJOCO_GL", "egl")  # before anything imports robosuite
 import numpy as np
 import pytest
 
+from wamrl.contract import MODEL_HW
 from wamrl.envs.conventions import (
-    MODEL_HW,
     Normalizer,
     env_actions,
     gripper_from_env,

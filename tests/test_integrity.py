@@ -19,12 +19,11 @@ from wamrl import store as store_mod
 from wamrl.inspect import inspect_store
 from wamrl.store import (
     StoreError,
-    checksum_coverage,
     load_steps,
     open_store,
-    validate_store,
     write_reward_group,
 )
+from wamrl.store_check import checksum_coverage, validate_store
 
 
 def _flip(f: Path, at: int, n: int = 16) -> None:
@@ -103,7 +102,8 @@ def test_every_reading_stage_refuses_a_corrupt_chunk_naming_store_and_array(
     world model (list_windows): each stops before any work, naming the store and array."""
     from wamrl.config import load_config
     from wamrl.ppo import load_actor_data
-    from wamrl.reward import check_success_dominates, open_rollout
+    from wamrl.reward import check_success_dominates
+    from wamrl.store import open_rollout
     from wamrl.world_model import list_windows
 
     _flip(_chunk_file(shard, array, coords), at=at, n=1)
@@ -288,7 +288,7 @@ def test_verify_run_finds_each_damaged_artifact(tmp_path: Path) -> None:
     from wamrl.artifact import save_tensors
     from wamrl.atomic import write_json
     from wamrl.cli import app
-    from wamrl.store import checksum_problems
+    from wamrl.store_check import checksum_problems
     from wamrl.verify import verify_run
 
     run = tmp_path / "run"

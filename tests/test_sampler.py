@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs
+from wamrl.contract import ACTION_DIM, CHUNK_LEN
+from wamrl.policy.base import Obs
 from wamrl.policy.tiny import TinyConfig, TinyWAM
 from wamrl.sampler import (
     gaussian_log_prob,

@@ -24,10 +24,9 @@ from wamrl.store import (
     load_steps,
     open_store,
     read_episode_table,
-    store_sizes,
-    validate_store,
     write_reward_group,
 )
+from wamrl.store_check import store_sizes, validate_store
 
 K, T, TV = 4, 6, 13
 LENGTHS = (6, 3, 1)
@@ -131,8 +130,8 @@ def _chunk_file(path: Path, array: str, coords: tuple[int, ...]) -> Path:
 
 
 def test_constants_match_policy_interface() -> None:
+    from wamrl import contract as base
     from wamrl import store
-    from wamrl.policy import base
 
     assert (store.CHUNK_LEN, store.ACTION_DIM, store.PROPRIO_DIM, store.IMAGE_HW) == (
         base.CHUNK_LEN,

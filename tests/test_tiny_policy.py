@@ -14,8 +14,9 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from wamrl.contract import ACTION_DIM, CHUNK_LEN
 from wamrl.policy import load_policy
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, Obs
+from wamrl.policy.base import Obs
 from wamrl.policy.lora import LoRALinear
 from wamrl.policy.tiny import TOKENS_PER_FRAME, TinyConfig, TinyWAM, fastwam_mask
 

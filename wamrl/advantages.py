@@ -13,7 +13,6 @@ import numpy as np
 
 FilterMode = Literal["all_same", "zero_spread", "none"]
 
-NUM_TASKS = 40
 LIBERO_10_TASKS = range(30, 40)  # suite order: spatial, object, goal, libero_10
 
 

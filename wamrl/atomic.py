@@ -147,10 +147,11 @@ def make_temp_dir(final: Path, mode: int = 0o777) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `final` (replace_dir)."""
+def atomic_dir(final: Path, mode: int = 0o777) -> Iterator[Path]:
+    """Yield a temporary sibling directory (`mode`, less the umask); on success it replaces
+    `final` (replace_dir), on an exception it is removed."""
     final = Path(final)
-    tmp = make_temp_dir(final)
+    tmp = make_temp_dir(final, mode)
     try:
         yield tmp
         faults.point("filled")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,8 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wamrl.atomic import make_temp_dir, replace_dir
+from wamrl.atomic import atomic_dir
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, FRAME_STRIDE, IMAGE_HW, PROPRIO_DIM
 from wamrl.envs.conventions import stats_entry
 from wamrl.store import (
     _FLOAT_CODEC,
@@ -41,9 +41,7 @@ from wamrl.store import (
 )
 
 QUERY_EVERY = 10  # env steps between queries (the replan interval)
-CHUNK = 32  # actions per chunk
-VIDEO_STRIDE = 4  # env steps between video frames
-H, W = 224, 448
+H, W = IMAGE_HW
 DEMO_SCHEMA_VERSION = 1
 
 
@@ -68,12 +66,12 @@ def n_queries(length: int) -> int:
 
 
 def n_frames(length: int) -> int:
-    return length // VIDEO_STRIDE + 1
+    return length // FRAME_STRIDE + 1
 
 
 def rendered_steps(length: int) -> set[int]:
     """Env steps (observation index t = state before step t) whose image is stored."""
-    return set(range(0, length, QUERY_EVERY)) | set(range(0, length + 1, VIDEO_STRIDE))
+    return set(range(0, length, QUERY_EVERY)) | set(range(0, length + 1, FRAME_STRIDE))
 
 
 def record(
@@ -103,7 +101,7 @@ def record(
     while t < max_steps and not expert.done:
         if t % QUERY_EVERY == 0:
             images.append(env.render())
-        if t % VIDEO_STRIDE == 0:
+        if t % FRAME_STRIDE == 0:
             frames.append(env.render())
         states.append(env.proprio())
         a = np.asarray(expert.act(env), np.float64)
@@ -113,7 +111,7 @@ def record(
             executed = a.copy()
             executed[:6] = np.clip(a[:6] + rng.normal(0.0, action_noise, 6), -1.0, 1.0)
         nxt = t + 1
-        success = env.step(executed, render=nxt % QUERY_EVERY == 0 or nxt % VIDEO_STRIDE == 0)
+        success = env.step(executed, render=nxt % QUERY_EVERY == 0 or nxt % FRAME_STRIDE == 0)
         data_action = a.astype(np.float32)
         data_action[-1] = gripper_from_env(np.sign(a[-1]) if a[-1] != 0 else -1.0)
         actions.append(data_action)
@@ -122,7 +120,7 @@ def record(
             break
     if not success:
         return None, t
-    if t % VIDEO_STRIDE == 0:
+    if t % FRAME_STRIDE == 0:
         frames.append(env.render())  # the final observation closes the last video window
     demo = Demo(
         task=env.task.index,
@@ -138,8 +136,8 @@ def record(
 
 def action_chunk(action: np.ndarray, t: int) -> np.ndarray:
     """The 32 actions from env step t, held still (zero deltas, last gripper) past the end."""
-    chunk = np.zeros((CHUNK, action.shape[1]), np.float32)
-    n = min(CHUNK, len(action) - t)
+    chunk = np.zeros((CHUNK_LEN, action.shape[1]), np.float32)
+    n = min(CHUNK_LEN, len(action) - t)
     chunk[:n] = action[t : t + n]
     chunk[n:, -1] = action[-1, -1]
     return chunk
@@ -169,8 +167,7 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
     path = Path(path)
     E = len(demos)
     S = max(d.length for d in demos)
-    tmp = make_temp_dir(path, 0o755)
-    try:
+    with atomic_dir(path, 0o755) as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.attrs.update(
             json.loads(
@@ -179,8 +176,8 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
                         **attrs,
                         "schema_version": DEMO_SCHEMA_VERSION,
                         "query_every": QUERY_EVERY,
-                        "chunk": CHUNK,
-                        "video_stride": VIDEO_STRIDE,
+                        "chunk": CHUNK_LEN,
+                        "video_stride": FRAME_STRIDE,
                     }
                 )
             )
@@ -190,8 +187,12 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
             name: _array(root, f"episode/{name}", (E,), "int32", ep, _SMALL_CODEC)
             for name in ("task", "init_state", "length")
         }
-        state = _array(root, "env/state", (E, S, 8), "float32", (*ep, "step", "d"), _FLOAT_CODEC)
-        act = _array(root, "env/action", (E, S, 7), "float32", (*ep, "step", "d"), _FLOAT_CODEC)
+        state = _array(
+            root, "env/state", (E, S, PROPRIO_DIM), "float32", (*ep, "step", "d"), _FLOAT_CODEC
+        )
+        act = _array(
+            root, "env/action", (E, S, ACTION_DIM), "float32", (*ep, "step", "d"), _FLOAT_CODEC
+        )
         px = ("height", "width", "channel")
         img = _array(
             root, "step/image", (E, n_queries(S), H, W, 3), "uint8", (*ep, "query", *px),
@@ -203,19 +204,15 @@ def write_demo_store(path: Path, demos: list[Demo], attrs: dict[str, Any]) -> No
         )  # fmt: skip
         for i, d in enumerate(demos):
             a["task"][i], a["init_state"][i], a["length"][i] = d.task, d.init_state, d.length
-            row = np.zeros((S, 8), np.float32)
+            row = np.zeros((S, PROPRIO_DIM), np.float32)
             row[: d.length] = d.state
             state[i] = row
-            row = np.zeros((S, 7), np.float32)
+            row = np.zeros((S, ACTION_DIM), np.float32)
             row[: d.length] = d.action
             act[i] = row
             img[i, : len(d.images)] = d.images
             frm[i, : len(d.frames)] = d.frames
         root.attrs["complete"] = True
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @dataclass

@@ -12,13 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from wamrl.artifact import ArtifactError, read_json
-from wamrl.store import (
-    EPISODE_NAMES,
-    REWARD_NAMES,
-    checksum_coverage,
-    store_sizes,
-    validate_store,
-)
+from wamrl.store import EPISODE_NAMES, REWARD_NAMES
+from wamrl.store_check import checksum_coverage, store_sizes, validate_store
 
 _TASK_TABLES = (
     Path("data/tasks.json"),  # the run directory / repo root the CLI runs in

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from wamrl import distributed
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, IMAGE_HW, PROPRIO_DIM, uint8_to_model
 from wamrl.master import MasterWeightOptimizer
 from wamrl.policy.base import Obs, Policy
 from wamrl.runtime import AMP_DTYPES, autocast
@@ -107,10 +108,9 @@ class ActorData:
 
     def obs(self, idx: np.ndarray, device: torch.device | str) -> Obs:
         image = torch.from_numpy(self.image[idx]).to(device)
-        image = image.permute(0, 3, 1, 2).float() * (2.0 / 255.0) - 1.0  # HWC uint8 -> CHW [-1, 1]
         task = torch.from_numpy(self.task[idx]).to(self.context.device)
         return Obs(
-            image=image,
+            image=uint8_to_model(image),
             proprio=torch.from_numpy(self.proprio[idx]).float().to(device),
             context=self.context[task].to(device),
             context_mask=self.context_mask[task].to(device),
@@ -491,9 +491,9 @@ def load_actor_data(
     Kept = step/valid & reward/group_kept & A defined; "A defined" is A != 0, since the
     reward stage writes A = 0 where fewer than two group members were alive (such steps
     carry no gradient and would only dilute the minibatch mean). K and a come from the
-    store attrs when present (what the rollout actually used), else from cfg["sampler"].
+    store attrs (what the rollout actually used); cfg["sampler"] only without shards.
     """
-    from wamrl import store  # imported late: store.py is another helper's file
+    from wamrl import store
 
     cols: dict[str, list[np.ndarray]] = {
         k: []
@@ -502,42 +502,41 @@ def load_actor_data(
     K = a = None
     for w, path in enumerate(shard_paths):
         g = store.open_store(path)  # validates the rollout part and reward/
-        attrs = dict(g.attrs)
-        K_s = attrs.get("K", cfg["sampler"]["K"])
-        a_s = attrs.get("a", attrs.get("noise_a", cfg["sampler"]["noise_a"]))
+        K_s, a_s = g.attrs["K"], g.attrs["a"]
         if K is not None and (K_s != K or a_s != a):
             raise ValueError(
                 f"shards disagree on the sampler: K {K} vs {K_s}, a {a} vs {a_s} ({path})"
             )
         K, a = K_s, a_s
-        if "reward" not in g:
+        if not store.has_reward(g):
             raise FileNotFoundError(f"{path} has no reward/ group: run the reward stage first")
-        valid = np.asarray(g["step/valid"][:], dtype=bool)
-        adv = np.asarray(g["reward/advantage"][:], dtype=np.float32)
-        kept = np.asarray(g["reward/group_kept"][:], dtype=bool)
-        sel = valid & kept[:, None] & np.isfinite(adv) & (adv != 0.0)
-        task = np.asarray(g["episode/task"][:], dtype=np.int64)
-        k_star_all = np.asarray(g["step/k_star"][:], dtype=np.int64)
-        logp_all = np.asarray(g["step/logp_old"][:], dtype=np.float32)
+        steps = store.read_step_table(g, ["valid", "advantage", "k_star", "logp_old"])
+        ep = store.read_episode_table(g)
+        adv = steps["advantage"]
+        sel = steps["valid"] & ep["group_kept"][:, None] & np.isfinite(adv) & (adv != 0.0)
+        task = ep["task"].astype(np.int64)
+        k_star_all = steps["k_star"].astype(np.int64)
+        logp_all = steps["logp_old"]
         for e in np.flatnonzero(sel.any(axis=1)):
             ts = np.flatnonzero(sel[e])
-            chain = np.asarray(g["step/chain"][e], dtype=np.float32)[ts]  # [n, K+1, 32, 7]
+            upto = slice(0, int(ts[-1]) + 1)  # kept steps are valid: within the stored prefix
+            chain = store.read_episode_steps(g, "chain", e, upto)[ts]  # [n, K+1, 32, 7]
             ks = k_star_all[e, ts]
             rows = np.arange(ts.size)
             cols["x_k"].append(chain[rows, ks])
             cols["x_next"].append(chain[rows, ks + 1])
-            cols["image"].append(np.asarray(g["step/image"][e])[ts])
-            cols["proprio"].append(np.asarray(g["step/proprio"][e], dtype=np.float32)[ts])
+            cols["image"].append(store.read_episode_steps(g, "image", e, upto)[ts])
+            cols["proprio"].append(store.read_episode_steps(g, "proprio", e, upto)[ts])
             cols["task"].append(np.full(ts.size, task[e], dtype=np.int64))
             cols["k_star"].append(ks)
             cols["logp_old"].append(logp_all[e, ts])
             cols["adv"].append(adv[e, ts])
             cols["where"].append(np.stack([np.full(ts.size, w), np.full(ts.size, e), ts], axis=1))
     empty = {
-        "image": (0, 224, 448, 3),
-        "proprio": (0, 8),
-        "x_k": (0, 32, 7),
-        "x_next": (0, 32, 7),
+        "image": (0, *IMAGE_HW, 3),
+        "proprio": (0, PROPRIO_DIM),
+        "x_k": (0, CHUNK_LEN, ACTION_DIM),
+        "x_next": (0, CHUNK_LEN, ACTION_DIM),
         "where": (0, 3),
     }
     out = {}

@@ -22,9 +22,9 @@ import zarr
 from torch import Tensor
 
 from wamrl import advantages as A
+from wamrl import store
+from wamrl.contract import N_FUTURE, uint8_to_model
 from wamrl.policy.base import Obs, Policy
-
-NUM_FUTURE = 2  # offsets +4 and +8
 
 
 def step_seed(base: int, shard: int, episode: int, step: int) -> int:
@@ -39,18 +39,7 @@ def images_to_model(x: np.ndarray | Tensor) -> Tensor:
     A tensor is converted where it lies: move uint8 to the GPU first (a quarter of the
     bytes, no CPU float pass)."""
     t = x if isinstance(x, Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-    return (t.float() * (2.0 / 255.0) - 1.0).movedim(-1, -3)
-
-
-def open_rollout(path: Path) -> zarr.Group:
-    """Open a rollout store read-only after checking its rollout part (not reward/, which a
-    rerun of this stage replaces anyway)."""
-    from wamrl import store  # imported late: store.py is another helper's file
-
-    problems = store.validate_store(path, include_reward=False)
-    if problems:
-        raise store.StoreError(f"{path}: not a usable episode store:\n- " + "\n- ".join(problems))
-    return zarr.open_group(str(path), mode="r")
+    return uint8_to_model(t)
 
 
 def imagine_batches(valid: np.ndarray, batch: int) -> list[np.ndarray]:
@@ -66,10 +55,10 @@ def _read_batch(g: zarr.Group, pairs: np.ndarray) -> tuple[np.ndarray, ...]:
     image, proprio, frames = [], [], []
     for e in np.unique(pairs[:, 0]):
         ts = pairs[pairs[:, 0] == e, 1]
-        lo, hi = int(ts[0]), int(ts[-1]) + 1  # valid steps are a prefix: contiguous
-        image.append(np.asarray(g["step/image"][e, lo:hi]))
-        proprio.append(np.asarray(g["step/proprio"][e, lo:hi], dtype=np.float32))
-        frames.append(np.asarray(g["step/frames"][e, lo:hi]))
+        steps = slice(int(ts[0]), int(ts[-1]) + 1)  # valid steps are a prefix: contiguous
+        image.append(store.read_episode_steps(g, "image", e, steps))
+        proprio.append(store.read_episode_steps(g, "proprio", e, steps))
+        frames.append(store.read_episode_steps(g, "frames", e, steps))
     return np.concatenate(image), np.concatenate(proprio), np.concatenate(frames)
 
 
@@ -91,12 +80,12 @@ def reconstruction_rewards(
     imagine_batches), each with its own generator seeded from (seed, shard, its first
     episode and step), so a rerun on the same store with the same batch (or a run that skips
     other shards) reproduces the arrays exactly. The next batch is read and decompressed
-    while the device imagines this one. 0 on padding. g: open_rollout(path).
+    while the device imagines this one. 0 on padding. g: store.open_rollout(path).
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    valid = np.asarray(g["step/valid"][:], dtype=bool)
-    task = torch.as_tensor(np.asarray(g["episode/task"][:], dtype=np.int64))
+    valid = store.read_step_table(g, ["valid"])["valid"]
+    task = torch.as_tensor(store.read_episode_arrays(g, ["task"])["task"].astype(np.int64))
     r_rec = np.zeros(valid.shape, dtype=np.float32)
     batches = imagine_batches(valid, batch)
     policy.eval()
@@ -115,7 +104,7 @@ def reconstruction_rewards(
             )
             e0, t0 = (int(v) for v in pairs[0])
             gen = torch.Generator(device=device).manual_seed(step_seed(seed, shard, e0, t0))
-            imagined = policy.imagine(obs, NUM_FUTURE, steps=imagine_steps, generator=gen).float()
+            imagined = policy.imagine(obs, N_FUTURE, steps=imagine_steps, generator=gen).float()
             target = images_to_model(torch.from_numpy(fr).to(device))  # [B, 2, 3, H, W]
             if imagined.shape != target.shape:
                 raise ValueError(
@@ -142,16 +131,16 @@ class ShardRewardInputs:
 
 
 def read_inputs(g: zarr.Group, r_rec: np.ndarray) -> ShardRewardInputs:
+    steps = store.read_step_table(g, ["valid", "r_task"])
+    ep = store.read_episode_arrays(g, ["task", "group", "init_state", "success", "env_crashed"])
     return ShardRewardInputs(
-        valid=np.asarray(g["step/valid"][:], dtype=bool),
-        r_task=np.asarray(g["step/r_task"][:], dtype=np.float32),
-        task=np.asarray(g["episode/task"][:], dtype=np.int64),
-        group=np.asarray(g["episode/group"][:], dtype=np.int64),
-        init_state=np.asarray(g["episode/init_state"][:], dtype=np.int64),
-        success=np.asarray(g["episode/success"][:], dtype=bool),
-        crashed=np.asarray(g["episode/env_crashed"][:], dtype=bool)
-        if "env_crashed" in g["episode"]
-        else np.zeros(g["episode/task"].shape[0], dtype=bool),
+        valid=steps["valid"],
+        r_task=steps["r_task"],
+        task=ep["task"].astype(np.int64),
+        group=ep["group"].astype(np.int64),
+        init_state=ep["init_state"].astype(np.int64),
+        success=ep["success"],
+        crashed=ep["env_crashed"],
         r_rec=r_rec,
     )
 
@@ -198,11 +187,10 @@ def check_success_dominates(shard_paths: list[Path], rcfg: dict[str, Any]) -> di
     for path in shard_paths:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no rollout store at {path}")
-        from wamrl.store import read_array  # late, as in open_rollout
-
+        # Not validated yet (that is the reward stage's next step): task and shape only.
         g = zarr.open_group(str(path), mode="r")
-        T = max(T, int(g["step/valid"].shape[1]))
-        tasks.append(read_array(g, "episode/task", path).astype(np.int64))
+        T = max(T, store.step_shape(g)[1])
+        tasks.append(store.read_episode_arrays(g, ["task"])["task"].astype(np.int64))
     task = np.concatenate(tasks) if tasks else np.zeros(0, np.int64)
     return A.require_success_dominates(
         float(rcfg["beta"]), float(rcfg["rec_clip"]), gammas_in_use(task, rcfg), T
@@ -325,13 +313,12 @@ def run_reward(
     Nothing is written until every shard's arrays are computed (a failure leaves the
     stores as they were).
     """
-    from wamrl import store  # imported late: store.py is another helper's file
-
     rcfg = cfg["reward"]
     check_success_dominates(shard_paths, rcfg)  # before any imagination
-    inputs = []
+    inputs, rollouts = [], []
     for w, path in enumerate(shard_paths):
-        g = open_rollout(path)
+        g = store.open_rollout(path)  # the stage's one validation of the rollout's part
+        rollouts.append(g)
         r_rec = reconstruction_rewards(
             policy,
             g,
@@ -357,6 +344,8 @@ def run_reward(
         "world_model": world_model,
         "config": cfg,  # what the actor checks its own reward settings against
     }
-    for path, arrs, kept in zip(shard_paths, result.arrays, result.group_kept, strict=True):
-        store.write_reward_group(path, arrs, kept, attrs)
+    for path, g, arrs, kept in zip(
+        shard_paths, rollouts, result.arrays, result.group_kept, strict=True
+    ):
+        store.write_reward_group(path, arrs, kept, attrs, rollout=g)
     return {**result.summary, "world_model": world_model, "shards": [str(p) for p in shard_paths]}

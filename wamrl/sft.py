@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from wamrl.demos import QUERY_EVERY, VIDEO_STRIDE, DemoSet, action_chunk, n_frames
+from wamrl.contract import FRAME_STRIDE
+from wamrl.demos import QUERY_EVERY, DemoSet, action_chunk, n_frames
 from wamrl.envs.conventions import Normalizer, image_to_model_input
 from wamrl.policy.base import Obs, Policy
 
@@ -126,7 +127,7 @@ class Batches:
         eps = rng.choice(long_enough, size=batch)
         starts = np.array([int(rng.integers(self.video_lengths[e] - frames + 1)) for e in eps])
         rows = (self.frame_start[eps] + starts)[:, None] + np.arange(frames)  # [B, F]
-        states = [self._state(e, j * VIDEO_STRIDE) for e, j in zip(eps, starts, strict=True)]
+        states = [self._state(e, j * FRAME_STRIDE) for e, j in zip(eps, starts, strict=True)]
         ctx, mask = self._ctx(self.demos.task[eps])
         video = self._pixels(self.frames, rows)
         proprio = self._put(self.norm.normalize_state(np.stack(states)).astype(np.float32))

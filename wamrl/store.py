@@ -26,33 +26,27 @@ are reported as unchecked, not as invalid (`checksum_coverage`).
 from __future__ import annotations
 
 import json
-import math
-import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from wamrl import faults
-from wamrl.atomic import leftovers, make_temp_dir, replace_dir, settle
+from wamrl.atomic import atomic_dir, make_temp_dir, replace_dir, settle
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, IMAGE_HW, N_FUTURE, PROPRIO_DIM
 
 # Snakemake drops a `.snakemake_timestamp` file into every directory output (a store here);
 # it is not part of the hierarchy and zarr's warning about it would only be noise.
 warnings.filterwarnings("ignore", message=r"Object at \.snakemake_timestamp", category=UserWarning)
 
 SCHEMA_VERSION = 1
-# Same values as wamrl.policy.base (checked by tests/test_store.py); not imported from
-# there so that `wamrl inspect` and notebook readers do not pull in torch.
-CHUNK_LEN, ACTION_DIM, PROPRIO_DIM, IMAGE_HW = 32, 7, 8, (224, 448)
 H, W = IMAGE_HW
-N_FUTURE = 2  # rendered frames at +4 and +8 env steps
 IMAGE_T_CHUNK = 4  # image chunk (1, 4, 224, 448, 3) = 1.2 MB raw; frames chunk 2.4 MB
 VIDEO_T_CHUNK = 8  # video chunk (1, 8, 224, 448, 3) = 2.4 MB raw
 
@@ -388,7 +382,9 @@ class ShardWriter:
             missing = sorted(set(range(E)) - self._written)
             if missing:
                 raise StoreError(f"{self.path}: episodes {missing} were never written")
-            problems = _validate_group(self.tmp, self.root, deep=False)
+            from wamrl.store_check import validate_group  # it imports this module's schema
+
+            problems = validate_group(self.tmp, self.root, deep=False)
             if problems:
                 raise StoreError(
                     f"{self.path}: refusing to publish an invalid store:\n- "
@@ -435,7 +431,11 @@ def _json_default(o: Any) -> Any:
 
 
 def write_reward_group(
-    path: str | Path, arrays: dict[str, np.ndarray], group_kept: np.ndarray, attrs: dict[str, Any]
+    path: str | Path,
+    arrays: dict[str, np.ndarray],
+    group_kept: np.ndarray,
+    attrs: dict[str, Any],
+    rollout: zarr.Group | None = None,
 ) -> None:
     """Write (or overwrite) `reward/` in a complete store.
 
@@ -445,7 +445,12 @@ def write_reward_group(
     new one.
     Padding steps are stored as 0. attrs must hold beta, gamma, rec_mean, rec_std,
     world_model; groups_kept / groups_total are added from group_kept and episode/group.
+    rollout: the store's group from open_rollout(path), whose opening validated the
+    rollout's part; without it that part is validated here. Afterwards only the new reward/
+    is checked: the rollout's part is read, never written, on the way.
     """
+    from wamrl.store_check import validate_store  # it imports this module's schema
+
     path = Path(path)
     final_dir = path / "reward"
     if path.is_dir():
@@ -453,10 +458,11 @@ def write_reward_group(
         # (.reward.old-*): settle restores a complete reward/ and deletes the rest.
         settle(final_dir)
         shutil.rmtree(path / "reward.tmp", ignore_errors=True)  # its name before .reward.tmp-*
-    # Check only the rollout's part: a broken old reward/ group is what a rerun replaces.
-    problems = validate_store(path, include_reward=False)
-    if problems:
-        raise StoreError(f"{path}: not a usable episode store:\n- " + "\n- ".join(problems))
+    if rollout is None:
+        # Check only the rollout's part: a broken old reward/ group is what a rerun replaces.
+        problems = validate_store(path, include_reward=False)
+        if problems:
+            raise StoreError(f"{path}: not a usable episode store:\n- " + "\n- ".join(problems))
     root = zarr.open_group(str(path), mode="r+", zarr_format=3)
     E, T = root["step/valid"].shape
     K = int(root.attrs["K"])
@@ -490,15 +496,9 @@ def write_reward_group(
     }
     # Built as a hidden sibling group in the store (a group's zarr.json holds no path, so a
     # rename moves it), then published by replace_dir: crash-safe at every step.
-    tmp_dir = make_temp_dir(final_dir, 0o755)
-    try:
+    with atomic_dir(final_dir, 0o755) as tmp_dir:
         _fill_reward_group(tmp_dir, clean, group_kept, group_attrs, (E, T, K, 1))
-        faults.point("filled")
-        replace_dir(tmp_dir, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    problems = validate_store(path)
+    problems = validate_store(path, include_rollout=False)
     if problems:
         raise StoreError(f"{path}: invalid after writing reward/:\n- " + "\n- ".join(problems))
     faults.point("reward_group")
@@ -568,18 +568,29 @@ def check_made_under(
             check(cfg, rattrs.get("config"), "reward", Path(path) / "reward")
 
 
-def open_store(path: str | Path, mode: str = "r", deep: bool = False) -> zarr.Group:
+def open_store(
+    path: str | Path, mode: str = "r", deep: bool = False, include_reward: bool = True
+) -> zarr.Group:
     """Open a complete, valid store; raise StoreError naming the path and every problem.
 
     deep=False checks structure, attrs, masks and chunk-file integrity (blosc headers);
-    deep=True also decompresses every chunk.
+    deep=True also decompresses every chunk. include_reward=False checks the rollout's part
+    only (open_rollout).
     """
+    from wamrl.store_check import validate_store  # store_check imports this module's schema
+
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
-    problems = validate_store(path, deep=deep)
+    problems = validate_store(path, deep=deep, include_reward=include_reward)
     if problems:
         raise StoreError(f"{path}: not a usable episode store:\n- " + "\n- ".join(problems))
     return zarr.open_group(str(path), mode=mode, zarr_format=3)
+
+
+def open_rollout(path: str | Path) -> zarr.Group:
+    """Open a store read-only after checking the rollout's part only: reward/ is what the
+    reward stage (re)writes, and the world-model stage reads the rollout while it does."""
+    return open_store(path, include_reward=False)
 
 
 def _as_root(store: str | Path | zarr.Group) -> zarr.Group:
@@ -587,15 +598,77 @@ def _as_root(store: str | Path | zarr.Group) -> zarr.Group:
     return store if isinstance(store, zarr.Group) else open_store(store)
 
 
+def has_reward(root: zarr.Group) -> bool:
+    """Whether the reward stage has written this store's reward/ group."""
+    return "reward" in _member_names(root)
+
+
 def read_episode_table(store: str | Path | zarr.Group) -> dict[str, np.ndarray]:
     """The small per-episode arrays (episode/* plus video_length, and group_kept once the
     reward stage ran) of a valid store: a path, or a group from open_store."""
     root = _as_root(store)
-    table = {name: root[f"episode/{name}"][:] for name in EPISODE_NAMES}
-    table["video_length"] = root["video/length"][:]
-    if "reward" in _member_names(root):
-        table["group_kept"] = root["reward/group_kept"][:]
+    table = read_episode_arrays(root, EPISODE_NAMES)
+    table["video_length"] = read_video_length(root)
+    if has_reward(root):
+        table["group_kept"] = read_array(root, "reward/group_kept", root.store)
     return table
+
+
+def read_episode_arrays(root: zarr.Group, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Some episode/* arrays by bare name ("task", "success", ...), and nothing else: for a
+    reader that must not touch reward/ (open_rollout leaves it unchecked)."""
+    return {name: read_array(root, f"episode/{name}", root.store) for name in names}
+
+
+def step_shape(root: zarr.Group) -> tuple[int, int]:
+    """(E, T): episodes, and macro-steps per episode row (read from metadata alone)."""
+    E, T = root["step/valid"].shape
+    return int(E), int(T)
+
+
+def step_path(name: str) -> str:
+    """The array path of a per-step array: "image" -> "step/image", "advantage" ->
+    "reward/advantage"; a full path ("step/chain") is checked and returned as is."""
+    paths = [name] if "/" in name else [f"step/{name}", f"reward/{name}"]
+    for p in paths:
+        spec = SPECS.get(p)
+        if spec is not None and spec.dims[:2] == _STEP:
+            return p
+    raise KeyError(f"{name} is not an [episode, step, ...] contract array")
+
+
+def read_step_table(store: str | Path | zarr.Group, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Whole [E, T] per-step arrays by name ("valid", "r_task", "advantage", ...): for the
+    small ones; read the big ones (image, chain, frames) an episode at a time instead
+    (read_episode_steps)."""
+    root = _as_root(store)
+    return {n: read_array(root, step_path(n), root.store) for n in names}
+
+
+def read_episode_steps(
+    root: zarr.Group, name: str, episode: int, steps: slice | int = slice(None)
+) -> np.ndarray:
+    """Macro-steps `steps` (a slice, or one step) of one episode of a per-step array (name
+    as in step_path)."""
+    return read_array(root, step_path(name), root.store, (int(episode), steps))
+
+
+def read_video(root: zarr.Group, episode: int, frames: slice | int) -> np.ndarray:
+    """video/frames of one episode: uint8 [n, H, W, 3] for a slice, [H, W, 3] for an index."""
+    return read_array(root, "video/frames", root.store, (int(episode), frames))
+
+
+def read_video_length(root: zarr.Group) -> np.ndarray:
+    """video/length [E]: recorded video frames per episode (0 unless video-SFT)."""
+    return read_array(root, "video/length", root.store)
+
+
+def read_video_proprio(root: zarr.Group, episode: int, frame: int) -> np.ndarray | None:
+    """The raw (not normalised) proprio recorded with one video frame, float32 [8]; None for
+    a store written before video/proprio was recorded."""
+    if "video/proprio" not in root:
+        return None
+    return read_array(root, "video/proprio", root.store, (int(episode), int(frame)))
 
 
 def read_plan_table(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -633,7 +706,7 @@ def load_steps(
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Per-step arrays flattened over (episode, step) pairs.
 
-    names: "step/chain", "reward/advantage", ... (a bare name means step/<name>).
+    names: "step/chain", "reward/advantage", ... or bare names as in step_path.
     Returns (arrays, episode_idx, step_idx): arrays[name][n] belongs to episode
     episode_idx[n], macro-step step_idx[n]. Only the valid steps unless only_valid=False.
     Reads episode by episode, so only the requested arrays and steps are ever in memory;
@@ -641,11 +714,8 @@ def load_steps(
     group from open_store() to skip re-validating the store on every call.
     """
     root = _as_root(store)
-    paths = [n if "/" in n else f"step/{n}" for n in names]
+    paths = [step_path(n) for n in names]
     for p in paths:
-        spec = SPECS.get(p)
-        if spec is None or spec.dims[:2] != _STEP:
-            raise KeyError(f"{p} is not an [episode, step, ...] contract array")
         if p not in _array_paths(root):
             raise KeyError(
                 f"{root.store}: has no array {p} (reward/ is written by the reward stage)"
@@ -662,7 +732,7 @@ def load_steps(
         pos = 0
         for e, n in zip(ep_list, counts, strict=True):
             if n:
-                buf[pos : pos + n] = read_array(root, p, root.store, (e, slice(0, n)))
+                buf[pos : pos + n] = read_episode_steps(root, p, e, slice(0, n))
             pos += n
         out[p] = buf
     ep_idx = np.repeat(np.asarray(ep_list, dtype=np.int64), counts)
@@ -681,408 +751,3 @@ def _member_names(group: zarr.Group) -> set[str]:
 def _array_paths(root: zarr.Group) -> set[str]:
     """Every array in the store by path, at any depth (so stray nested arrays show up)."""
     return {name for name, m in root.members(max_depth=None) if isinstance(m, zarr.Array)}
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def validate_store(path: str | Path, deep: bool = False, include_reward: bool = True) -> list[str]:
-    """Every problem with the store at `path`, as sentences; [] means valid. Never raises
-    on a broken store (garbage, half-written, deleted or truncated chunk files)."""
-    path = Path(path)
-    if not path.exists():
-        tmps = [p.name for p in leftovers(path)]
-        hint = (
-            f" (a half-written {tmps[0]} lies next to it: its writer never finished; the "
-            "writer's next run settles it)"
-            if tmps
-            else ""
-        )
-        return [f"{path} does not exist{hint}"]
-    if not path.is_dir():
-        return [f"{path} is not a directory (a zarr v3 store is one)"]
-    if not (path / "zarr.json").is_file():
-        return [f"{path} is not a zarr v3 store (no zarr.json at its root)"]
-    try:
-        root = zarr.open_group(str(path), mode="r", zarr_format=3)
-    except Exception as e:  # a broken zarr.json, wrong format, ...
-        return [f"{path} cannot be opened as a zarr v3 group: {type(e).__name__}: {e}"]
-    try:
-        return _validate_group(
-            path, root, deep=deep, require_complete=True, include_reward=include_reward
-        )
-    except Exception as e:  # anything unforeseen in a corrupted store is reported, not raised
-        return [f"{path}: validation stopped on an unreadable store: {type(e).__name__}: {e}"]
-
-
-def _validate_group(
-    path: Path,
-    root: zarr.Group,
-    deep: bool,
-    require_complete: bool = False,
-    include_reward: bool = True,
-) -> list[str]:
-    problems: list[str] = []
-    attrs = dict(root.attrs)
-    if require_complete and attrs.get("complete") is not True:
-        problems.append(
-            "store is half-written: the root attribute `complete` is missing or not true "
-            "(its writer never finished; rerun the rollout that makes it)"
-        )
-    problems += [f"root attribute `{k}` is missing" for k in REQUIRED_ATTRS if k not in attrs]
-
-    try:
-        present = _array_paths(root)
-    except Exception as e:
-        return [*problems, f"cannot list the store's arrays: {type(e).__name__}: {e}"]
-    if not include_reward:
-        # reward/ and the reward stage's work in progress beside it (.reward.tmp-*, while a
-        # world-model job reads the same store at the same time)
-        present = {p for p in present if not p.startswith(("reward", ".reward."))}
-    has_reward = any(p.startswith("reward/") for p in present)
-    expected = {
-        s.path for s in SCHEMA if s.group in CORE_GROUPS or (has_reward and s.group == "reward")
-    }
-    for p in sorted(expected - present):
-        problems.append(f"contract array {p} is missing")
-    for p in sorted(present - expected):
-        what = (
-            "leftover of an interrupted write_reward_group (the reward stage's next run settles it)"
-            if p.startswith(("reward.tmp", ".reward."))
-            else "not in the contract"
-        )
-        problems.append(f"unexpected array {p}: {what}")
-    if any(p not in present for p in ("episode/task", "step/valid", "step/chain", "video/frames")):
-        return problems  # sizes cannot be derived
-
-    E = root["episode/task"].shape[0]
-    T = root["step/valid"].shape[1] if root["step/valid"].ndim == 2 else -1
-    K = root["step/chain"].shape[2] - 1 if root["step/chain"].ndim == 5 else -1
-    Tv = root["video/frames"].shape[1] if root["video/frames"].ndim == 5 else -1
-    if "K" in attrs and attrs["K"] != K:
-        problems.append(f"attrs K={attrs['K']} but step/chain holds K+1={K + 1} chain states")
-    if K < 2:
-        problems.append(f"K={K}: need K >= 2 so that 1 <= k* <= K-1 is possible")
-    dims: Dims = (E, T, K, Tv)
-
-    layout_ok = True
-    for p in sorted(expected & present):
-        bad = _check_array_meta(root[p], SPECS[p], dims)
-        problems += bad
-        layout_ok &= not bad
-    if not layout_ok:
-        return problems  # masks and chunks are meaningless under a wrong layout
-
-    # Reading small arrays may hit a deleted/truncated chunk: report and stop there.
-    small = {}
-    for p in sorted(expected):
-        if SPECS[p].extent != "all" or p == "step/chain":
-            continue
-        try:
-            small[p] = root[p][:]
-        except Exception as e:
-            problems += _chunk_problems(path, root, expected, None, None)
-            return [*problems, f"{p}: cannot read: {type(e).__name__}: {e}"]
-
-    length = small["episode/length"]
-    video_length = small["video/length"]
-    problems += _chunk_problems(path, root, expected, length, video_length)
-    problems += _check_masks(small, attrs, T, K, Tv)
-    if has_reward:
-        problems += _check_reward(root, small, attrs)
-    problems += _check_chain(root["step/chain"], E)
-    if deep:
-        problems += _deep_read(root, expected, length, video_length)
-    return problems
-
-
-def _check_array_meta(arr: zarr.Array, spec: ArraySpec, dims: Dims) -> list[str]:
-    out = []
-    dtype = str(arr.dtype)
-    if dtype != spec.dtype:
-        out.append(f"{spec.path} has dtype {dtype}, the contract says {spec.dtype}")
-    want = spec.shape(*dims)
-    if tuple(arr.shape) != want:
-        out.append(
-            f"{spec.path} has shape {tuple(arr.shape)}, expected {want} for (E, T, K, Tv) = {dims}"
-        )
-    names = arr.metadata.dimension_names if arr.metadata.zarr_format == 3 else None
-    if names is None or tuple(names) != spec.dims:
-        out.append(f"{spec.path} has dimension_names {names}, expected {spec.dims}")
-    return out
-
-
-def _check_masks(
-    s: dict[str, np.ndarray], attrs: dict[str, Any], T: int, K: int, Tv: int
-) -> list[str]:
-    out: list[str] = []
-    length, valid, done = s["episode/length"], s["step/valid"], s["step/done"]
-    success, crashed, r_task = s["episode/success"], s["episode/env_crashed"], s["step/r_task"]
-    k_star, logp = s["step/k_star"], s["step/logp_old"]
-    steps = np.arange(T)
-    for i in np.flatnonzero((length < 0) | (length > T)):
-        out.append(f"episode {i}: length {length[i]} outside 0..{T}")
-    prefix = steps[None, :] < np.clip(length, 0, T)[:, None]
-    for i in np.flatnonzero((valid != prefix).any(1)):
-        out.append(
-            f"episode {i}: step/valid is not a prefix of length episode/length = {length[i]}"
-        )
-    for i in np.flatnonzero((length == 0) & ~crashed):
-        out.append(f"episode {i}: zero macro-steps but env_crashed is False")
-    last = prefix & (steps[None, :] == (length - 1)[:, None])
-    for i in np.flatnonzero((done != last).any(1)):
-        out.append(
-            f"episode {i}: step/done must be True exactly at its last valid step {length[i] - 1}"
-        )
-    for i in np.flatnonzero(success & crashed):
-        out.append(
-            f"episode {i}: success and env_crashed are both True (a crashed episode counts as failed)"
-        )
-    for i in np.flatnonzero(((r_task != 0) & ~prefix).any(1)):
-        out.append(f"episode {i}: step/r_task is nonzero at padding steps")
-    for i in np.flatnonzero(((r_task != 0) & (r_task != 1)).any(1)):
-        out.append(f"episode {i}: step/r_task holds values other than 0 and 1")
-    ones = (r_task == 1).sum(1)
-    for i in np.flatnonzero(ones > 1):
-        out.append(
-            f"episode {i}: step/r_task is 1 at {ones[i]} steps (at most one: where success first holds)"
-        )
-    for i in np.flatnonzero((ones > 0) & ~success):
-        out.append(f"episode {i}: step/r_task has a 1 but episode/success is False")
-    for i in np.flatnonzero(success & ~(last & (r_task == 1)).any(1)):
-        out.append(
-            f"episode {i}: success but step/r_task is not 1 at its last valid step (the episode ends on success)"
-        )
-    bad_k = prefix & ((k_star < 1) | (k_star > K - 1))
-    for i in np.flatnonzero(bad_k.any(1)):
-        out.append(f"episode {i}: step/k_star outside 1..{K - 1} at valid steps")
-    for i in np.flatnonzero((prefix & ~np.isfinite(logp)).any(1)):
-        out.append(f"episode {i}: step/logp_old is not finite at valid steps")
-    for name, x in (("k_star", k_star), ("logp_old", logp), ("done", done)):
-        for i in np.flatnonzero((~prefix & (x != 0)).any(1)):
-            out.append(f"episode {i}: step/{name} is nonzero at padding steps")
-    vl, sft = s["video/length"], s["episode/video_sft"]
-    for i in np.flatnonzero((vl < 0) | (vl > Tv)):
-        out.append(f"episode {i}: video/length {vl[i]} outside 0..{Tv}")
-    for i in np.flatnonzero((vl > 0) & ~sft):
-        out.append(f"episode {i}: video frames recorded but episode/video_sft is False")
-    # Members of a group share (task, init state); a shard may hold only part of a group.
-    groups, task, init = s["episode/group"], s["episode/task"], s["episode/init_state"]
-    G = attrs.get("G")
-    for g in np.unique(groups):
-        m = groups == g
-        if len(set(zip(task[m].tolist(), init[m].tolist(), strict=True))) > 1:
-            out.append(f"group {g}: members differ in task or init_state")
-        if isinstance(G, int) and m.sum() > G:
-            out.append(f"group {g}: {m.sum()} episodes but G = {G}")
-    return out
-
-
-def _check_reward(root: zarr.Group, s: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[str]:
-    out = []
-    rattrs = dict(root["reward"].attrs)
-    out += [f"reward group attribute `{k}` is missing" for k in REWARD_ATTRS if k not in rattrs]
-    valid = s["step/valid"]
-    for name in REWARD_NAMES:
-        x = s[f"reward/{name}"]
-        if not np.isfinite(x[valid]).all():
-            out.append(f"reward/{name} is not finite at valid steps")
-    kept, groups = s["reward/group_kept"], s["episode/group"]
-    for g in np.unique(groups):
-        if len(set(kept[groups == g].tolist())) > 1:
-            out.append(f"reward/group_kept differs within group {g}")
-    return out
-
-
-def _check_chain(chain: zarr.Array, E: int) -> list[str]:
-    out = []
-    for i in range(E):  # one episode at a time: the whole chain can be hundreds of MB
-        try:
-            if not np.isfinite(chain[i]).all():
-                out.append(f"episode {i}: step/chain holds non-finite values")
-        except Exception as e:
-            out.append(f"episode {i}: step/chain unreadable: {type(e).__name__}: {e}")
-    return out
-
-
-def _expected_chunks(
-    spec: ArraySpec, arr: zarr.Array, length: np.ndarray | None, video_length: np.ndarray | None
-) -> Iterator[tuple[int, ...]]:
-    """Chunk coordinates the writer must have stored for this array."""
-    grid = [math.ceil(s / c) for s, c in zip(arr.shape, arr.chunks, strict=True)]
-    rest = [range(n) for n in grid[2:]]
-    for i in range(grid[0]):
-        if spec.extent == "all" or len(grid) == 1:
-            n_step = grid[1] if len(grid) > 1 else None
-        else:
-            lens = length if spec.extent == "steps" else video_length
-            if lens is None:
-                continue
-            n_step = min(math.ceil(max(int(lens[i]), 0) / arr.chunks[1]), grid[1])
-        if n_step is None:
-            yield (i,)
-            continue
-        for j in range(n_step):
-            yield from ((i, j, *r) for r in _product(rest))
-
-
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for x in ranges[0]:
-        for r in _product(ranges[1:]):
-            yield (x, *r)
-
-
-def _chunk_problems(
-    path: Path,
-    root: zarr.Group,
-    expected: set[str],
-    length: np.ndarray | None,
-    video_length: np.ndarray | None,
-) -> list[str]:
-    """Missing chunk files, blosc chunks whose header disagrees with the file size, and
-    chunks whose crc32c does not match their bytes (every chunk file is read, not
-    decompressed: a few GB/s)."""
-    out = []
-    for p in sorted(expected):
-        arr, spec = root[p], SPECS[p]
-        blosc = any(isinstance(c, BloscCodec) for c in arr.metadata.codecs)
-        crc = has_checksum(arr)
-        missing, truncated, corrupt = [], [], []
-        for coords in _expected_chunks(spec, arr, length, video_length):
-            f = path / p / arr.metadata.encode_chunk_key(coords)
-            try:
-                size = f.stat().st_size
-            except FileNotFoundError:
-                missing.append(coords)
-                continue
-            problem = _chunk_file_problem(f, size, blosc, crc)
-            if problem == "truncated":
-                truncated.append(coords)
-            elif problem == "checksum":
-                corrupt.append(coords)
-        if missing:
-            out.append(
-                f"{p}: {len(missing)} chunk file(s) missing, first at chunk {missing[0]} (deleted or never written)"
-            )
-        if truncated:
-            out.append(
-                f"{p}: {len(truncated)} chunk file(s) truncated or corrupt, first at chunk {truncated[0]}"
-            )
-        if corrupt:
-            out.append(
-                f"{p}: {len(corrupt)} chunk file(s) fail their crc32c checksum, first at chunk "
-                f"{corrupt[0]} (bytes changed on disk)"
-            )
-    return out
-
-
-def _chunk_file_problem(f: Path, size: int, blosc: bool, crc: bool) -> str | None:
-    """None, "truncated" or "checksum". A blosc1 frame starts with a 16-byte header whose
-    bytes 12..16 are its compressed size (the file size, less the 4 crc32c bytes that end
-    a checksummed chunk): a cheap truncation check without decompressing image chunks."""
-    if not (blosc or crc):
-        return None
-    with open(f, "rb") as fh:
-        data = fh.read() if crc else fh.read(16)
-    payload = size - 4 if crc else size
-    if blosc and (payload < 16 or int.from_bytes(data[12:16], "little") != payload):
-        return "truncated"
-    if crc and (
-        len(data) < 4 or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little")
-    ):
-        return "checksum"
-    return None
-
-
-def _deep_read(
-    root: zarr.Group, expected: set[str], length: np.ndarray, video_length: np.ndarray
-) -> list[str]:
-    """Decompress every stored chunk of the big arrays (one episode at a time)."""
-    out = []
-    for p in sorted(expected):
-        spec, arr = SPECS[p], root[p]
-        if spec.extent == "all":
-            continue  # already read in full
-        lens = length if spec.extent == "steps" else video_length
-        for i in range(arr.shape[0]):
-            n = int(lens[i])
-            if n <= 0:
-                continue
-            try:
-                arr[i, :n]
-            except Exception as e:
-                out.append(f"{p}: episode {i} unreadable: {type(e).__name__}: {e}")
-    return out
-
-
-# --------------------------------------------------------------------------- sizes (inspect)
-
-
-def checksum_problems(path: str | Path) -> list[str]:
-    """Every chunk file on disk of every checksummed array, checked against its crc32c: for
-    any zarr v3 store (demo stores too), without knowing which chunks it should hold."""
-    path = Path(path)
-    try:
-        root = zarr.open_group(str(path), mode="r", zarr_format=3)
-        arrays = sorted(_array_paths(root))
-    except Exception as e:
-        return [f"{path}: cannot open as a zarr v3 group: {type(e).__name__}: {e}"]
-    out = []
-    for p in arrays:
-        arr = root[p]
-        if not has_checksum(arr):
-            continue
-        blosc = any(isinstance(c, BloscCodec) for c in arr.metadata.codecs)
-        bad = []
-        for dirpath, _, files in os.walk(path / p / "c"):
-            for name in sorted(files):
-                f = Path(dirpath) / name
-                if _chunk_file_problem(f, f.stat().st_size, blosc, crc=True):
-                    bad.append(str(f.relative_to(path / p)))
-        if bad:
-            out.append(
-                f"{p}: {len(bad)} chunk file(s) truncated or failing their crc32c, first {bad[0]}"
-            )
-    return out
-
-
-def checksum_coverage(path: str | Path) -> tuple[list[str], list[str]]:
-    """(arrays whose chunks carry a crc32c, arrays without one: written before checksums)."""
-    root = zarr.open_group(str(path), mode="r", zarr_format=3)
-    arrays = sorted(_array_paths(root))
-    checked = [p for p in arrays if has_checksum(root[p])]
-    return checked, [p for p in arrays if p not in checked]
-
-
-def store_sizes(path: str | Path) -> dict[str, tuple[int, int, int]]:
-    """Per array: (chunk files, bytes on disk, uncompressed bytes of those chunks).
-
-    Uncompressed bytes count each stored chunk clipped to the array's bounds (zarr pads
-    edge chunks to full size on disk; the padding is not data)."""
-    path = Path(path)
-    root = zarr.open_group(str(path), mode="r", zarr_format=3)
-    out = {}
-    for p in sorted(_array_paths(root)):
-        arr = root[p]
-        n, disk, raw = 0, 0, 0
-        cdir = path / p / "c"
-        for dirpath, _, files in os.walk(cdir):
-            rel = Path(dirpath).relative_to(cdir).parts
-            for fname in files:
-                try:
-                    coords = [int(c) for c in (*rel, fname)]
-                    size = os.stat(os.path.join(dirpath, fname)).st_size
-                except (OSError, ValueError):
-                    continue  # not a chunk file of the default encoding
-                extent = [
-                    max(0, min(c, s - i * c))
-                    for i, c, s in zip(coords, arr.chunks, arr.shape, strict=False)
-                ]
-                n += 1
-                disk += size
-                raw += int(np.prod(extent)) * arr.dtype.itemsize
-        out[p] = (n, disk, raw)
-    return out

@@ -36,7 +36,7 @@ def _files(run_dir: Path) -> Iterator[Path]:
 def verify_run(run_dir: str | Path, deep: bool = False) -> list[tuple[str, str | None]]:
     """(artifact, None if intact else the problem) for every artifact of the run.
     deep: also decompress every chunk of the episode stores."""
-    from wamrl.store import checksum_problems, validate_store
+    from wamrl.store_check import checksum_problems, validate_store
 
     run_dir = Path(run_dir)
     out: list[tuple[str, str | None]] = []

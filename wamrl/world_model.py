@@ -39,8 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from wamrl import store
+from wamrl.contract import FRAME_STRIDE, uint8_to_model
 from wamrl.envs.conventions import Normalizer
-from wamrl.policy.base import FRAME_STRIDE, Policy
+from wamrl.policy.base import Policy
 from wamrl.training import NonFiniteError, trainable_optimizer
 
 VAR_FLOOR = 1e-6  # variances below this are clamped: a dead feature must not divide by 0
@@ -62,15 +64,9 @@ def window_starts(length: int, window_frames: int = 33, max_windows: int = 8) ->
     return sorted({int(round(x)) for x in np.linspace(0, last, n)})
 
 
-def window_indices(t0: int, window_frames: int = 33, stride: int = 4) -> np.ndarray:
-    """Raw frame indices of one window: t0, t0 + 4, ..., t0 + 32 (9 frames for 33)."""
-    return np.arange(t0, t0 + window_frames, stride)
-
-
 def frames_to_model(frames: np.ndarray) -> Tensor:
     """uint8 [..., H, W, 3] -> float32 [..., 3, H, W] in [-1, 1] (x * 2 / 255 - 1)."""
-    x = torch.from_numpy(np.ascontiguousarray(frames)).float() * (2.0 / 255.0) - 1.0
-    return x.movedim(-1, -3)
+    return uint8_to_model(torch.from_numpy(np.ascontiguousarray(frames)))
 
 
 def diag_gauss_kl(z: Tensor, var: Tensor, z_ref: Tensor, var_ref: Tensor) -> Tensor:
@@ -214,28 +210,20 @@ def list_windows(
     shard_paths: list[Any], wcfg: dict[str, Any]
 ) -> tuple[list[WindowSpec], dict[str, int]]:
     """Windows of every successful video-SFT episode, in (shard, episode, t0) order."""
-    import zarr
-
-    from wamrl import store  # imported late: store.py is another helper's file
-
     specs: list[WindowSpec] = []
     counts = {"video_sft_episodes": 0, "successful_video_episodes": 0, "too_short": 0}
     for w, path in enumerate(shard_paths):
         # The reward stage may be writing reward/ right now (it and this stage both only
         # need the rollout): check only the rollout's part.
-        problems = store.validate_store(path, include_reward=False)
-        if problems:
-            raise store.StoreError(
-                f"{path}: not a usable episode store:\n- " + "\n- ".join(problems)
-            )
-        g = zarr.open_group(str(path), mode="r")
-        sft = np.asarray(g["episode/video_sft"][:], dtype=bool)
-        ok = sft & np.asarray(g["episode/success"][:], dtype=bool)
+        g = store.open_rollout(path)
+        ep = store.read_episode_arrays(g, ["video_sft", "success"])
+        sft = ep["video_sft"]
+        ok = sft & ep["success"]
         counts["video_sft_episodes"] += int(sft.sum())
         counts["successful_video_episodes"] += int(ok.sum())
         if not ok.any():
             continue
-        lengths = np.asarray(g["video/length"][:], dtype=np.int64)
+        lengths = store.read_video_length(g).astype(np.int64)
         for e in np.flatnonzero(ok):
             starts = window_starts(
                 int(lengths[e]), int(wcfg["window_frames"]), int(wcfg["windows_per_episode"])
@@ -270,9 +258,11 @@ class WindowBatches(Sequence):
         device: torch.device | str = "cpu",
         normalizer: Normalizer | None = None,
     ):
-        import zarr  # list_windows validated the stores already
+        import zarr
 
+        # list_windows validated the stores already.
         self.groups = [zarr.open_group(str(p), mode="r") for p in shard_paths]
+        self.episodes = [store.read_episode_arrays(g, ["task", "length"]) for g in self.groups]
         self.normalizer = normalizer
         self._shard_norms: dict[int, Normalizer] = {}
         self.specs = specs
@@ -291,17 +281,17 @@ class WindowBatches(Sequence):
         specs = self.specs[i * self.batch : (i + 1) * self.batch]
         video, proprio, task = [], [], []
         for s in specs:
-            g = self.groups[s.shard]
-            raw = np.asarray(g["video/frames"][s.episode, s.t0 : s.t0 + self.window_frames])
+            g, ep = self.groups[s.shard], self.episodes[s.shard]
+            raw = store.read_video(g, s.episode, slice(s.t0, s.t0 + self.window_frames))
             video.append(raw[::FRAME_STRIDE])
-            if "video/proprio" in g:  # raw: normalise as the rollout did for its queries
-                raw_p = np.asarray(g["video/proprio"][s.episode, s.t0], dtype=np.float32)
+            raw_p = store.read_video_proprio(g, s.episode, s.t0)
+            if raw_p is not None:  # raw: normalise as the rollout did for its queries
                 proprio.append(self._normalizer(s.shard).normalize_state(raw_p))
             else:
-                T = int(g["episode/length"][s.episode])
+                T = int(ep["length"][s.episode])
                 t = min(s.t0 // self.replan, max(T - 1, 0))
-                proprio.append(np.asarray(g["step/proprio"][s.episode, t], dtype=np.float32))
-            task.append(int(g["episode/task"][s.episode]))
+                proprio.append(store.read_episode_steps(g, "proprio", s.episode, t))
+            task.append(int(ep["task"][s.episode]))
         idx = torch.tensor(task)
         return {
             "video": frames_to_model(np.stack(video)).to(self.device),

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tests.faults.digest import differences, digest
 from wamrl import atomic, paths
-from wamrl.store import validate_store
+from wamrl.store_check import validate_store
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = "iter_001/eval.json"

@@ -19,7 +19,8 @@ import zarr
 
 from tests.test_store import REWARD_ATTRS, _reward_arrays, make_episodes, write_store
 from wamrl import atomic, faults
-from wamrl.store import validate_store, write_reward_group
+from wamrl.store import write_reward_group
+from wamrl.store_check import validate_store
 
 REPO = Path(__file__).resolve().parents[2]
 POINTS = ("temp", "filled", "moved_aside")

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from wamrl.contract import MODEL_HW, uint8_to_model
+
 if TYPE_CHECKING:
     import torch
 
-MODEL_HW = 224  # each camera's side in the model image
 DUMMY_ACTION = np.array(
     [0, 0, 0, 0, 0, 0, -1], dtype=np.float64
 )  # settle steps: hold, gripper open
@@ -59,7 +60,7 @@ def image_to_model_input(image: np.ndarray | torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(image)
     if t.dtype != torch.uint8:
         raise ValueError(f"expected uint8 image, got {t.dtype}")
-    return t.movedim(-1, -3).to(torch.float32) * (2.0 / 255.0) - 1.0
+    return uint8_to_model(t)
 
 
 def quat2axisangle(quat_xyzw: np.ndarray) -> np.ndarray:

@@ -30,10 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from wamrl.contract import FRAME_OFFSETS
 from wamrl.envs.conventions import Normalizer
 from wamrl.envs.tasks import Task
-
-FRAME_OFFSETS = (4, 8)  # env steps after the query at which the two frames are rendered
 
 
 @dataclass

@@ -30,11 +30,6 @@ def order_goal(goal: list[list[str]]) -> list[list[str]]:
     return sorted(goal, key=lambda g: ORDER.get(g[0], 9))
 
 
-def _parent_of_site(ctx: Ctx, site: str) -> str | None:
-    obj = ctx.sc.rs.object_sites_dict.get(site)
-    return getattr(obj, "parent_name", None)
-
-
 def _site_joints(ctx: Ctx, site: str) -> list[str]:
     obj = ctx.sc.rs.object_sites_dict.get(site)
     return list(getattr(obj, "joints", None) or [])

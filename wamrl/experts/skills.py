@@ -141,10 +141,6 @@ def _plan_rim_grasp(ctx: Ctx, obj: str, pts: np.ndarray) -> tuple[np.ndarray, fl
     return np.array([g[0], g[1], z]), yaw_for_finger_direction(np.arctan2(d[1], d[0]), 0.0)
 
 
-def safe_height(ctx: Ctx, exclude: set[int], lo_xy: np.ndarray, hi_xy: np.ndarray) -> float:
-    return ctx.sc.support_height(lo_xy, hi_xy, exclude=exclude)
-
-
 # ---------------------------------------------------------------- pick and place
 
 

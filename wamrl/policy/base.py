@@ -24,12 +24,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-CHUNK_LEN = 32  # actions per query (the RL action is the whole 32 x 7 chunk)
-ACTION_DIM = 7
-PROPRIO_DIM = 8
-IMAGE_HW = (224, 448)  # agentview | wrist, side by side
-FRAME_STRIDE = 4  # video frames are every 4th env step: imagined offsets are +4, +8, ...
-
 
 def generator_device(generator: torch.Generator | None) -> torch.device:
     """Where random numbers from `generator` are drawn (torch's default CPU one without)."""

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from wamrl.policy.base import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM, Obs, Policy, generator_device
+from wamrl.contract import ACTION_DIM, CHUNK_LEN, PROPRIO_DIM
+from wamrl.policy.base import Obs, Policy, generator_device
 from wamrl.policy.checkpoint import load_state, read_policy_yaml, save_state, write_policy_yaml
 from wamrl.policy.lora import add_lora, lora_parameters
 
