@@ -75,7 +75,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
 
     tasks = load_tasks()
     if cfg["policy"]["backend"] == "fastwam":  # umT5 contexts, Fast-WAM's prompt template
-        from stages.context import task_contexts
+        from wamrl.policy.context import task_contexts
 
         context, mask = task_contexts(cfg, run_dir, tasks)
     else:
