@@ -40,7 +40,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     # A reward that lets reconstruction outweigh success stops here: no model load, no write.
     check_success_dominates(shards, cfg["reward"])
     policy = load_policy(wm_dir, device=device)
-    context, mask = load_contexts(wm_dir / "context.safetensors")
+    context, mask = load_contexts(wm_dir / paths.CONTEXT_FILE)
     world_model = {"kind": kind, "path": str(wm_dir), "sha256": checkpoint_sha256(wm_dir)}
     # reward.done vouches for every shard's reward/ group, which this run now rewrites: a
     # run killed halfway through the shards must not leave the old marker standing.
