@@ -33,7 +33,7 @@ from wamrl.artifact import (
     verify_checkpoint,
 )
 from wamrl.atomic import atomic_dir, write_json
-from wamrl.config import check_made_under
+from wamrl.config import ActorSection, RolloutSection, check_made_under, section
 from wamrl.master import MasterWeightOptimizer
 from wamrl.ppo import (
     actor_update,
@@ -46,7 +46,7 @@ from wamrl.runtime import pick_device
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
-    n = int(cfg["actor"].get("devices", 1))
+    n = section(cfg, ActorSection).devices
     if n > 1:
         devices = distributed.pick_devices(cfg, n, "actor")
         distributed.launch(_rank_main, devices, cfg, Path(run_dir), iteration)
@@ -73,7 +73,7 @@ def _run(
 
     done_path = paths.reward_done(run_dir, iteration)
     done = read_json(done_path, "the reward stage's record")
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
     # Before any work: the rollouts and their rewards were made under this run's settings.
     check_made_under(cfg, done.get("config"), "reward", done_path)
     store.check_made_under(shards, cfg, with_reward=True)
@@ -87,7 +87,7 @@ def _run(
     acfg = cfg["actor"]
     ref = (
         load_policy(paths.policy_dir(run_dir, 0), device=device)
-        if float(acfg["ref_kl"]) != 0
+        if section(cfg, ActorSection).ref_kl != 0
         else None
     )
     params = policy.parameter_groups()["actor"]

@@ -13,12 +13,13 @@ from typing import Any
 from wamrl import paths, store, tb
 from wamrl.artifact import checkpoint_sha256
 from wamrl.atomic import write_json
+from wamrl.config import RewardSection, RolloutSection, section
 from wamrl.reward import check_success_dominates, run_reward
 from wamrl.runtime import pick_device
 
 
 def world_model_dir(cfg: dict[str, Any], run_dir: Path, iteration: int) -> tuple[str, Path]:
-    kind = cfg["reward"]["world_model"]
+    kind = section(cfg, RewardSection).world_model
     if kind == "live":
         return kind, paths.policy_dir(run_dir, iteration - 1)
     if kind == "frozen":
@@ -35,7 +36,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     run_dir = Path(run_dir)
     device = pick_device(cfg, "reward")
     kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
     store.check_made_under(shards, cfg)  # e.g. every shard rolled out with this G
     # A reward that lets reconstruction outweigh success stops here: no model load, no write.
     check_success_dominates(shards, cfg["reward"])

@@ -19,6 +19,7 @@ import torch
 from wamrl import paths, store, tb
 from wamrl.artifact import checkpoint_hashes, load_tensors, save_tensors, verify_checkpoint
 from wamrl.atomic import atomic_dir, write_json
+from wamrl.config import EnvSection, RolloutSection, WorldModelSection, section
 from wamrl.envs.conventions import Normalizer
 from wamrl.ppo import param_names
 from wamrl.runtime import pick_device
@@ -44,7 +45,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     from wamrl.policy.text import load_contexts
 
     run_dir = Path(run_dir)
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
     store.check_made_under(shards, cfg)  # before any work: rolled out under these settings
     device = pick_device(cfg, "world_model")
     wcfg = cfg["world_model"]
@@ -60,11 +61,11 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     batches = WindowBatches(
         shards,
         specs,
-        int(wcfg["batch"]),
+        section(cfg, WorldModelSection).batch,
         context,
         mask,
         wcfg,
-        int(cfg["env"]["replan_steps"]),
+        section(cfg, EnvSection).replan_steps,
         device,
         normalizer,
     )
