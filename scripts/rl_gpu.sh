@@ -2,7 +2,7 @@
 # The learning-curve recipe (configs/rl_gpu.yaml) on a GPU box, started in the background.
 #
 #   bash scripts/rl_gpu.sh RUN_DIR [BUNDLE_DIR] [WHEEL_DIR]
-#   python3 -m wamrl.cli status RUN_DIR          # progress: one row per iteration
+#   python3 -m stages.cli status RUN_DIR          # progress: one row per iteration
 #
 # BUNDLE_DIR: the parts of `python scripts/libero_bundle.py build` (unpacked once to
 # /root/lb); WHEEL_DIR: `scripts/gpu_wheels.sh`'s wheels (snakemake, zarr, ...), installed
@@ -34,7 +34,7 @@ export PYTHONPATH=$run/.src:${PYTHONPATH:-}
 # The Snakefile calls `wamrl`; where the package is not installed, a shim on PATH runs it.
 if ! command -v wamrl >/dev/null; then
   mkdir -p "$run/.bin"
-  printf '#!/bin/sh\nexec python3 -m wamrl.cli "$@"\n' >"$run/.bin/wamrl"
+  printf '#!/bin/sh\nexec python3 -m stages.cli "$@"\n' >"$run/.bin/wamrl"
   chmod +x "$run/.bin/wamrl"
   export PATH=$run/.bin:$PATH
 fi

@@ -33,7 +33,7 @@ from wamrl.artifact import (
     verify_checkpoint,
 )
 from wamrl.atomic import atomic_dir, write_json
-from wamrl.config import check_made_under
+from wamrl.config import ActorSection, RolloutSection, check_made_under, section
 from wamrl.ppo import actor_update, load_actor_data
 from wamrl.runtime import pick_device
 from wamrl.training import (
@@ -45,7 +45,7 @@ from wamrl.training import (
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
-    n = int(cfg["actor"].get("devices", 1))
+    n = section(cfg, ActorSection).devices
     if n > 1:
         devices = distributed.pick_devices(cfg, n, "actor")
         distributed.launch(_rank_main, devices, cfg, Path(run_dir), iteration)
@@ -72,36 +72,31 @@ def _run(
 
     done_path = paths.reward_done(run_dir, iteration)
     done = read_json(done_path, "the reward stage's record")
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
     # Before any work: the rollouts and their rewards were made under this run's settings.
     check_made_under(cfg, done.get("config"), "reward", done_path)
     store.check_made_under(shards, cfg, with_reward=True)
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
     policy = load_policy(prev_dir, device=device)
-    context, mask = load_contexts(prev_dir / "context.safetensors")
+    context, mask = load_contexts(prev_dir / paths.CONTEXT_FILE)
     data = load_actor_data(
         shards, context, mask, cfg, done.get("groups_kept", 0), done.get("groups_total", 0)
     )
 
-    acfg = cfg["actor"]
-    ref = (
-        load_policy(paths.policy_dir(run_dir, 0), device=device)
-        if float(acfg["ref_kl"]) != 0
-        else None
-    )
-    params, opt = trainable_optimizer(policy, "actor", float(acfg["lr"]))  # video expert frozen
+    acfg = section(cfg, ActorSection)
+    ref = load_policy(paths.policy_dir(run_dir, 0), device=device) if acfg.ref_kl != 0 else None
+    params, opt = trainable_optimizer(policy, "actor", acfg.lr)  # the video expert is frozen
     names = param_names(policy, params)
     restored = masters_restored = 0
     prev_actor = paths.actor_dir(run_dir, iteration - 1)
     if prev_actor.is_dir():
         verify_checkpoint(prev_actor)  # Adam's state and masters as they were written
-    if (prev_actor / "optimizer.safetensors").exists():
-        restored = optimizer_from_tensors(
-            opt.inner, names, load_tensors(prev_actor / "optimizer.safetensors", "Adam state")
-        )
-    if opt.num_masters and (prev_actor / "master.safetensors").exists():
+    prev_opt = prev_actor / paths.OPTIMIZER_FILE
+    if prev_opt.exists():
+        restored = optimizer_from_tensors(opt.inner, names, load_tensors(prev_opt, "Adam state"))
+    if opt.num_masters and (prev_actor / paths.MASTER_FILE).exists():
         masters_restored = opt.load_masters(
-            names, load_tensors(prev_actor / "master.safetensors", "master weights")
+            names, load_tensors(prev_actor / paths.MASTER_FILE, "master weights")
         )
 
     metrics = actor_update(
@@ -111,12 +106,10 @@ def _run(
     # Adam's moments carry over from iteration n-1's actor/ (not a declared input: the DAG
     # must not wait on it). Without it Adam starts from zero: said here, not silent.
     metrics["optimizer_reset"] = iteration > 1 and restored == 0
-    metrics["optimizer_state_from"] = (
-        str(prev_actor / "optimizer.safetensors") if restored else None
-    )
+    metrics["optimizer_state_from"] = str(prev_opt) if restored else None
     if metrics["optimizer_reset"]:
         print(
-            f"optimizer_reset: no Adam state in {prev_actor / 'optimizer.safetensors'}: "
+            f"optimizer_reset: no Adam state in {prev_opt}: "
             "Adam's moments start from zero this iteration"
         )
     metrics["master_weights_params"] = opt.num_masters
@@ -130,12 +123,12 @@ def _run(
     opt_tensors, opt_meta = optimizer_to_tensors(opt.inner, names)  # keyed as before: "Adam"
     masters = opt.master_tensors(names)
     with atomic_dir(paths.actor_dir(run_dir, iteration)) as tmp:
-        save_tensors(actor_tensors, tmp / "actor.safetensors")
-        save_tensors(opt_tensors, tmp / "optimizer.safetensors")
-        write_json(tmp / "optimizer.json", opt_meta)
+        save_tensors(actor_tensors, tmp / paths.ACTOR_FILE)
+        save_tensors(opt_tensors, tmp / paths.OPTIMIZER_FILE)
+        write_json(tmp / paths.OPTIMIZER_JSON, opt_meta)
         if masters:
-            save_tensors(masters, tmp / "master.safetensors")
-        write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
+            save_tensors(masters, tmp / paths.MASTER_FILE)
+        write_json(tmp / paths.METRICS_FILE, {"iteration": iteration, **metrics, "config": cfg})
         # merge and the next actor check these before reading a tensor
-        write_json(tmp / "checkpoint.json", {**checkpoint_hashes(tmp), "iteration": iteration})
+        write_json(tmp / paths.CHECKPOINT_FILE, {**checkpoint_hashes(tmp), "iteration": iteration})
     tb.log_scalars(run_dir, "actor", iteration, lambda: tb.actor_scalars(metrics))

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from wamrl import paths
 from wamrl.envs.tasks import Task, tasks_in_suites
 from wamrl.runtime import set_gl_backend
 
@@ -73,9 +74,8 @@ def main(cfg: dict[str, Any], run_dir: Path, worker: int) -> None:
             bar.update(job, advance=1, info=f"{task.name[:40]}  ok {ok}/{len(table)}")
     if env is not None:
         env.close()
-    out = Path(run_dir) / "demos" / f"shard_{worker:03d}.zarr"
     write_demo_store(
-        out,
+        paths.demos_shard(run_dir, worker),
         demos,
         {
             "worker": worker,

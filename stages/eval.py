@@ -84,7 +84,7 @@ def reference_rates(cfg: dict[str, Any], tasks: list[Task]) -> dict[str, Any] | 
     base = cfg["policy"]["base_checkpoint"]
     if base is None or base == "sft":
         return None
-    path = resolve_path(base) / "eval.json"
+    path = resolve_path(base) / paths.EVAL_FILE
     if not path.is_file():
         return None
     ref = read_json(path, "the base checkpoint's eval", keys=("tasks",))
@@ -149,7 +149,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
 
     run_dir = Path(run_dir)
     policy_dir = paths.policy_dir(run_dir, iteration)
-    if not (policy_dir / "model.safetensors").is_file():
+    if not (policy_dir / paths.MODEL_FILE).is_file():
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
     e, s = cfg["eval"], cfg["sampler"]
     tasks = tasks_in_suites(e["suites"])
@@ -184,7 +184,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
 
     start = time.time()
     # The pool first: its processes import LIBERO while this one loads the policy.
-    with EnvPool(e["envs"], policy_dir / "stats.json", env_cfg, seed=e["seed"]) as pool:
+    with EnvPool(e["envs"], policy_dir / paths.STATS_FILE, env_cfg, seed=e["seed"]) as pool:
         policy, context, mask, normalizer = load_for_queries(policy_dir, device)
         stats = run_episodes(
             policy,
@@ -217,7 +217,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     }
     print(success_table(report), flush=True)
     if videos:
-        write_videos(paths.iter_dir(run_dir, iteration) / "eval_videos", videos, specs)
+        write_videos(paths.eval_videos_dir(run_dir, iteration), videos, specs)
     write_json(paths.eval_json(run_dir, iteration), report)
     from wamrl import tb  # TensorBoard scalars (a warning, never a failure)
 

@@ -11,24 +11,23 @@ own stats.json wins over policy.stats: a model is tied to the normalisation it l
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from wamrl import paths
-from wamrl.artifact import checkpoint_hashes
-from wamrl.atomic import atomic_dir, sha256_file, write_json
+from wamrl.atomic import sha256_file
 from wamrl.config import resolve_path
 from wamrl.envs.conventions import Normalizer
 from wamrl.envs.tasks import load_tasks
-from wamrl.policy.checkpoint import read_policy_yaml
+from wamrl.policy.checkpoint import read_policy_yaml, write_policy_dir
+from wamrl.runtime import say_device
 
 
 def check_base_matches(cfg_policy: dict[str, Any], base_dir: Path) -> None:
     """A base checkpoint brings its own dims; refuse one that contradicts the config's."""
-    meta = read_policy_yaml(base_dir / "policy.yaml")
+    meta = read_policy_yaml(base_dir / paths.POLICY_YAML)
     if meta["backend"] != cfg_policy["backend"]:
         raise ValueError(
             f"policy.base_checkpoint {base_dir} is a {meta['backend']!r} model, "
@@ -47,35 +46,37 @@ def check_base_matches(cfg_policy: dict[str, Any], base_dir: Path) -> None:
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
     from wamrl.policy import build_policy, load_policy
-    from wamrl.policy.text import cached_task_contexts, save_contexts
+    from wamrl.policy.text import cached_task_contexts
 
     if iteration != 0:
         raise ValueError("init builds iteration 0 only")
     base = cfg["policy"]["base_checkpoint"]
     base_dir = None
     if base is not None:
-        base_dir = Path(run_dir) / "sft" / "policy" if base == "sft" else resolve_path(base)
+        base_dir = paths.sft_policy_dir(run_dir) if base == "sft" else resolve_path(base)
     stats = resolve_path(cfg["policy"]["stats"])
-    if base_dir is not None and (base_dir / "stats.json").is_file():
-        stats = base_dir / "stats.json"
+    if base_dir is not None and (base_dir / paths.STATS_FILE).is_file():
+        stats = base_dir / paths.STATS_FILE
     Normalizer.load(stats)  # a missing or malformed stats file fails here, before any work
     if base_dir is not None:
-        if not (base_dir / "model.safetensors").is_file():
-            raise FileNotFoundError(f"policy.base_checkpoint: no model.safetensors in {base_dir}")
+        if not (base_dir / paths.MODEL_FILE).is_file():
+            raise FileNotFoundError(f"policy.base_checkpoint: no {paths.MODEL_FILE} in {base_dir}")
         check_base_matches(cfg["policy"], base_dir)
         policy = load_policy(base_dir)
         source = {
             "base_checkpoint": str(base_dir),
-            "sha256": sha256_file(base_dir / "model.safetensors"),
+            "sha256": sha256_file(base_dir / paths.MODEL_FILE),
         }
     else:
         torch.manual_seed(cfg["seed"])
         policy = build_policy(cfg)
         source = {"base_checkpoint": None, "random_init_seed": cfg["seed"]}
 
+    # Built or loaded on the CPU: init only writes the checkpoint, and holds no GPU slot.
+    say_device("init", "device cpu", "init writes the checkpoint only")
     tasks = load_tasks()
     if cfg["policy"]["backend"] == "fastwam":  # umT5 contexts, Fast-WAM's prompt template
-        from stages.context import task_contexts
+        from wamrl.policy.context import task_contexts
 
         context, mask = task_contexts(cfg, run_dir, tasks)
     else:
@@ -83,18 +84,12 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
             [t.language for t in tasks],
             [t.name for t in tasks],
             cfg["policy"]["tiny"]["text_max_len"],
-            Path(run_dir) / "context",
+            paths.context_dir(run_dir),
         )
-    with atomic_dir(paths.policy_dir(run_dir, 0)) as tmp:
-        policy.save(tmp)
-        save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)
-        shutil.copy2(stats, tmp / "stats.json")
-        write_json(
-            tmp / "checkpoint.json",
-            {
-                **checkpoint_hashes(tmp),  # load_policy checks them before every use
-                "iteration": 0,
-                **source,
-                "config": cfg,
-            },
-        )
+    write_policy_dir(
+        paths.policy_dir(run_dir, 0),
+        policy,
+        ([t.name for t in tasks], context, mask),
+        stats,
+        {"iteration": 0, **source, "config": cfg},
+    )

@@ -8,15 +8,14 @@ model.safetensors, the iteration and the parents.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 from wamrl import paths
-from wamrl.artifact import checkpoint_hashes, load_tensors, verify_checkpoint
-from wamrl.atomic import atomic_dir, sha256_file, write_json
-
-COPIED = ("context.safetensors", "stats.json")
+from wamrl.artifact import load_tensors, verify_checkpoint
+from wamrl.atomic import sha256_file
+from wamrl.policy.checkpoint import write_policy_dir
+from wamrl.runtime import say_device
 
 
 def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
@@ -24,10 +23,12 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
 
     run_dir = Path(run_dir)
     prev_dir = paths.policy_dir(run_dir, iteration - 1)
-    actor_file = paths.actor_dir(run_dir, iteration) / "actor.safetensors"
-    lora_file = paths.world_model_dir(run_dir, iteration) / "lora.safetensors"
+    actor_file = paths.actor_dir(run_dir, iteration) / paths.ACTOR_FILE
+    lora_file = paths.world_model_dir(run_dir, iteration) / paths.LORA_FILE
     for f in (actor_file, lora_file):  # a changed tensor would be merged into the new policy
         verify_checkpoint(f.parent)
+    # Copying tensors by name needs no accelerator, and merge holds no GPU slot.
+    say_device("merge", "device cpu", "merging tensors needs no GPU")
     policy = load_policy(prev_dir, device="cpu")
     state = policy.state_dict()
     new: dict[str, Any] = {}
@@ -49,21 +50,19 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     def parent(p: Path) -> dict[str, str]:
         return {"path": str(p.relative_to(run_dir)), "sha256": sha256_file(p)}
 
-    with atomic_dir(paths.policy_dir(run_dir, iteration)) as tmp:
-        policy.save(tmp)
-        for name in COPIED:
-            shutil.copy2(prev_dir / name, tmp / name)
-        write_json(
-            tmp / "checkpoint.json",
-            {
-                **checkpoint_hashes(tmp),  # load_policy checks them before every use
-                "iteration": iteration,
-                "parents": {
-                    "policy": parent(prev_dir / "model.safetensors"),
-                    "actor": parent(actor_file),
-                    "world_model": parent(lora_file),
-                },
-                "replaced_tensors": len(new),
-                "config": cfg,
+    write_policy_dir(
+        paths.policy_dir(run_dir, iteration),
+        policy,
+        prev_dir / paths.CONTEXT_FILE,
+        prev_dir / paths.STATS_FILE,
+        {
+            "iteration": iteration,
+            "parents": {
+                "policy": parent(prev_dir / paths.MODEL_FILE),
+                "actor": parent(actor_file),
+                "world_model": parent(lora_file),
             },
-        )
+            "replaced_tensors": len(new),
+            "config": cfg,
+        },
+    )

@@ -13,12 +13,13 @@ from typing import Any
 from wamrl import paths, store, tb
 from wamrl.artifact import checkpoint_sha256
 from wamrl.atomic import write_json
+from wamrl.config import RewardSection, RolloutSection, section
 from wamrl.reward import check_success_dominates, run_reward
 from wamrl.runtime import pick_device
 
 
 def world_model_dir(cfg: dict[str, Any], run_dir: Path, iteration: int) -> tuple[str, Path]:
-    kind = cfg["reward"]["world_model"]
+    kind = section(cfg, RewardSection).world_model
     if kind == "live":
         return kind, paths.policy_dir(run_dir, iteration - 1)
     if kind == "frozen":
@@ -35,12 +36,12 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     run_dir = Path(run_dir)
     device = pick_device(cfg, "reward")
     kind, wm_dir = world_model_dir(cfg, run_dir, iteration)
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
     store.check_made_under(shards, cfg)  # e.g. every shard rolled out with this G
     # A reward that lets reconstruction outweigh success stops here: no model load, no write.
     check_success_dominates(shards, cfg["reward"])
     policy = load_policy(wm_dir, device=device)
-    context, mask = load_contexts(wm_dir / "context.safetensors")
+    context, mask = load_contexts(wm_dir / paths.CONTEXT_FILE)
     world_model = {"kind": kind, "path": str(wm_dir), "sha256": checkpoint_sha256(wm_dir)}
     # reward.done vouches for every shard's reward/ group, which this run now rewrites: a
     # run killed halfway through the shards must not leave the old marker standing.

@@ -45,7 +45,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
         raise ValueError(f"worker {worker} outside 0..{W - 1} (rollout.workers = {W})")
     run_dir = Path(run_dir)
     policy_dir = paths.policy_dir(run_dir, iteration - 1)
-    if not (policy_dir / "model.safetensors").is_file():
+    if not (policy_dir / paths.MODEL_FILE).is_file():
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
 
     candidates = tasks_in_suites(cfg["rollout"]["suites"])
@@ -68,7 +68,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     env_cfg = dict(cfg["env"])
     # The pool first: its processes import LIBERO while this one loads the policy.
     with EnvPool(
-        cfg["rollout"]["envs_per_worker"], policy_dir / "stats.json", env_cfg, seed=cfg["seed"]
+        cfg["rollout"]["envs_per_worker"], policy_dir / paths.STATS_FILE, env_cfg, seed=cfg["seed"]
     ) as pool:
         policy, context, mask, normalizer = load_for_queries(policy_dir, device)
         with ShardWriter(

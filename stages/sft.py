@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from wamrl.artifact import checkpoint_hashes
-from wamrl.atomic import atomic_dir, write_json
+from wamrl import paths
+from wamrl.atomic import write_json
+from wamrl.policy.checkpoint import write_policy_dir
 
 
 def main(cfg: dict[str, Any], run_dir: Path) -> None:
@@ -25,13 +26,13 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     from wamrl.envs.conventions import Normalizer
     from wamrl.envs.tasks import load_tasks
     from wamrl.policy import build_policy
-    from wamrl.policy.text import cached_task_contexts, save_contexts
+    from wamrl.policy.text import cached_task_contexts
     from wamrl.rollout import progress_bar
     from wamrl.runtime import pick_device
     from wamrl.sft import Batches, train
 
     run_dir = Path(run_dir)
-    shards = [run_dir / "demos" / f"shard_{w:03d}.zarr" for w in range(cfg["demos"]["workers"])]
+    shards = paths.demos_shards(run_dir, cfg["demos"]["workers"])
     missing = [str(p) for p in shards if not p.exists()]
     if missing:
         raise FileNotFoundError(f"sft: demo stores missing: {missing}")
@@ -44,7 +45,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
         [t.language for t in tasks],
         [t.name for t in tasks],
         cfg["policy"]["tiny"]["text_max_len"],
-        run_dir / "context",
+        paths.context_dir(run_dir),
     )
     device = pick_device(cfg, "sft")
     torch.manual_seed(cfg["seed"])
@@ -52,31 +53,24 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     batches = Batches(demos, norm, context, mask, device, cfg["sft"]["augment_shift"])
 
     def save(out: Path, step: int) -> None:
-        with atomic_dir(out) as tmp:
-            policy.save(tmp)
-            save_contexts(tmp / "context.safetensors", [t.name for t in tasks], context, mask)
-            write_json(tmp / "stats.json", stats)
-            write_json(
-                tmp / "checkpoint.json",
-                {
-                    **checkpoint_hashes(tmp),  # load_policy checks them before every use
-                    "source": "sft",
-                    "sft_steps": step,
-                    "demo_episodes": len(demos),
-                    "demo_stores": [str(p) for p in shards],
-                    "config": cfg,
-                },
-            )
+        record = {
+            "source": "sft",
+            "sft_steps": step,
+            "demo_episodes": len(demos),
+            "demo_stores": [str(p) for p in shards],
+            "config": cfg,
+        }
+        write_policy_dir(out, policy, ([t.name for t in tasks], context, mask), stats, record)
 
-    snapshot = run_dir / "sft" / "snapshot"
+    snapshot = paths.sft_snapshot_dir(run_dir)
     with progress_bar() as bar:
         log = train(
             policy, batches, cfg["sft"], cfg["seed"], progress=bar,
             on_snapshot=lambda step: save(snapshot, step),
         )  # fmt: skip
-    save(run_dir / "sft" / "policy", log[-1]["step"] + 1)
+    save(paths.sft_policy_dir(run_dir), log[-1]["step"] + 1)
     shutil.rmtree(snapshot, ignore_errors=True)  # superseded by the finished policy
     write_json(
-        run_dir / "sft" / "log.json",
+        paths.sft_log(run_dir),
         {"wall_time_s": time.perf_counter() - t0, "episodes": len(demos), "log": log},
     )

@@ -19,6 +19,7 @@ import torch
 from wamrl import paths, store, tb
 from wamrl.artifact import checkpoint_hashes, load_tensors, save_tensors, verify_checkpoint
 from wamrl.atomic import atomic_dir, write_json
+from wamrl.config import EnvSection, RolloutSection, WorldModelSection, section
 from wamrl.envs.conventions import Normalizer
 from wamrl.runtime import pick_device
 from wamrl.training import param_names
@@ -44,7 +45,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     from wamrl.policy.text import load_contexts
 
     run_dir = Path(run_dir)
-    shards = paths.shard_paths(run_dir, iteration, int(cfg["rollout"]["workers"]))
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
     store.check_made_under(shards, cfg)  # before any work: rolled out under these settings
     device = pick_device(cfg, "world_model")
     wcfg = cfg["world_model"]
@@ -53,18 +54,18 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     frozen = load_policy(paths.policy_dir(run_dir, 0), device=device)
     for p in frozen.parameters():
         p.requires_grad_(False)
-    context, mask = load_contexts(prev_dir / "context.safetensors")
+    context, mask = load_contexts(prev_dir / paths.CONTEXT_FILE)
     # The rollout normalised its queries with this policy's stats: the same for video/proprio.
-    normalizer = Normalizer.load(prev_dir / "stats.json")
+    normalizer = Normalizer.load(prev_dir / paths.STATS_FILE)
     specs, counts = list_windows(shards, wcfg)
     batches = WindowBatches(
         shards,
         specs,
-        int(wcfg["batch"]),
+        section(cfg, WorldModelSection).batch,
         context,
         mask,
         wcfg,
-        int(cfg["env"]["replan_steps"]),
+        section(cfg, EnvSection).replan_steps,
         device,
         normalizer,
     )
@@ -72,8 +73,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     prev_wm = paths.world_model_dir(run_dir, iteration - 1)
     if prev_wm.is_dir():
         verify_checkpoint(prev_wm)  # the carried Sigma estimates as they were written
-    sigma_ref = _load_vector(prev_wm / "sigma_ref.safetensors", "sigma_ref")
-    sigma_theta = _load_vector(prev_wm / "ema.safetensors", "sigma_theta")
+    sigma_ref = _load_vector(prev_wm / paths.SIGMA_REF_FILE, "sigma_ref")
+    sigma_theta = _load_vector(prev_wm / paths.EMA_FILE, "sigma_theta")
     metrics, sigma_ref, sigma_theta = world_model_update(
         policy,
         frozen,
@@ -89,10 +90,10 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     state = policy.state_dict()
     lora_tensors = {n: state[n].detach().cpu().contiguous() for n in param_names(policy, lora)}
     with atomic_dir(paths.world_model_dir(run_dir, iteration)) as tmp:
-        save_tensors(lora_tensors, tmp / "lora.safetensors")
-        _save_vector(tmp / "sigma_ref.safetensors", "sigma_ref", sigma_ref)
-        _save_vector(tmp / "ema.safetensors", "sigma_theta", sigma_theta)
-        write_json(tmp / "metrics.json", {"iteration": iteration, **metrics, "config": cfg})
+        save_tensors(lora_tensors, tmp / paths.LORA_FILE)
+        _save_vector(tmp / paths.SIGMA_REF_FILE, "sigma_ref", sigma_ref)
+        _save_vector(tmp / paths.EMA_FILE, "sigma_theta", sigma_theta)
+        write_json(tmp / paths.METRICS_FILE, {"iteration": iteration, **metrics, "config": cfg})
         # merge and the next iteration check these before reading a tensor
-        write_json(tmp / "checkpoint.json", {**checkpoint_hashes(tmp), "iteration": iteration})
+        write_json(tmp / paths.CHECKPOINT_FILE, {**checkpoint_hashes(tmp), "iteration": iteration})
     tb.log_scalars(run_dir, "world_model", iteration, lambda: tb.world_model_scalars(metrics))

@@ -88,7 +88,7 @@ def test_missing_stats_file_is_named(tmp_path):
 
 @pytest.mark.parametrize("which", ["text_encoder", "tokenizer"])
 def test_missing_text_encoder_file_is_named(tmp_path, which):
-    from stages.context import official_encoder
+    from wamrl.policy.context import official_encoder
 
     missing = tmp_path / f"gone_{which}"
     cfg = _cfg_with(tmp_path, **{which: str(missing)})
@@ -110,8 +110,8 @@ def test_import_error_says_how_to_install(tmp_path, monkeypatch):
 def test_context_stage_layout_and_reuse(tmp_path):
     """context/context.safetensors in save_contexts' layout, prompts from the template,
     FastWAM.encode_prompt's zeroed padding + all-True mask; reused when nothing changed."""
-    from stages.context import CONTEXT_DIR, CONTEXT_FILE, prompt_template, task_contexts
     from wamrl.envs.tasks import load_tasks
+    from wamrl.policy.context import CONTEXT_DIR, CONTEXT_FILE, prompt_template, task_contexts
     from wamrl.policy.text import load_contexts
 
     cfg = _cfg_with(tmp_path)
@@ -123,7 +123,7 @@ def test_context_stage_layout_and_reuse(tmp_path):
         mask = torch.zeros(len(prompts), L, dtype=torch.bool)
         for i in range(len(prompts)):
             mask[i, : i % 7 + 3] = True
-        from stages.context import zero_padding
+        from wamrl.policy.context import zero_padding
 
         return zero_padding(torch.randn(len(prompts), L, 16), mask)
 
@@ -565,7 +565,7 @@ def test_prompt_template_is_the_official_one():
     pytest.importorskip("fastwam", reason=SKIP_REASON)
     import fastwam
 
-    from stages.context import prompt_template
+    from wamrl.policy.context import prompt_template
 
     src = Path(fastwam.__file__).parent / "datasets" / "lerobot" / "robot_video_dataset.py"
     tree = ast.parse(src.read_text())

@@ -284,10 +284,10 @@ def test_verify_run_finds_each_damaged_artifact(tmp_path: Path) -> None:
 
     from typer.testing import CliRunner
 
+    from stages.cli import app
     from wamrl import paths
     from wamrl.artifact import save_tensors
     from wamrl.atomic import write_json
-    from wamrl.cli import app
     from wamrl.store_check import checksum_problems
     from wamrl.verify import verify_run
 

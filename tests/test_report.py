@@ -21,8 +21,8 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from stages.cli import app
 from wamrl import tb
-from wamrl.cli import app
 from wamrl.report import build_report, parse_snakemake_log, wilson
 
 ROOT = Path(__file__).resolve().parents[1]

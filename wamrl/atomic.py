@@ -10,7 +10,7 @@ Replacing an existing directory takes two renames (replace_dir); a crash between
 no NAME but a complete .NAME.old-*, which settle() renames back. A crash at any other point
 leaves NAME complete (old or new) plus garbage. So every step of a replacement is crash-safe,
 provided the next writer of NAME calls settle(NAME) before it starts: atomic_dir, the store
-writers and every stage (wamrl.cli.run_stage, for the paths in paths.stage_outputs) do.
+writers and every stage (stages.cli.run_stage, for the paths in paths.stage_outputs) do.
 Names of earlier versions (.NAME.XXXXXXXX.tmp, .NAME.old) are recognised too.
 
 One writer per artifact at a time (Snakemake's directory lock ensures it for a run): settle

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import re
+import types
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 
 import jsonschema
 import yaml
@@ -313,3 +315,107 @@ def check_made_under(cfg: Mapping[str, Any], recorded: Any, artifact: str, sourc
             "(recorded -> now):\n  " + "\n  ".join(diff) + "\nRerun the stage that makes it "
             "under this config, or run this stage under the recorded one."
         )
+
+
+# --------------------------------------------------------------------------- typed sections
+
+# Stage code reads a config section as a frozen dataclass rather than by string keys: a
+# misspelt key is an AttributeError at the first test, and numbers are numbers even where
+# a config arrived unvalidated (a YAML 1.1 `1e-5` is a string; section() converts it).
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    SECTION: ClassVar[str] = "rollout"
+    workers: int
+    envs_per_worker: int
+    groups: int
+    group_size: int
+    video_sft_share: float
+    oversample_temperature: float
+    suites: list[str]
+    fixed_batch: bool
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    SECTION: ClassVar[str] = "reward"
+    beta: float
+    gamma: float
+    gamma_libero_10: float
+    rec_clip: float
+    world_model: str  # live | frozen
+    imagine_steps: int
+    imagine_batch: int
+    filter: str
+    zero_spread_eps: float
+
+
+@dataclass(frozen=True)
+class ActorSection:
+    SECTION: ClassVar[str] = "actor"
+    epochs: int
+    minibatch: int
+    micro_batch: int | None
+    lr: float
+    clip_low: float
+    clip_high: float
+    target_kl: float | None
+    ref_kl: float
+    grad_clip: float
+    logp_check_tol: float
+    amp: str | None
+    logp_old: str  # rollout | recompute
+    devices: int
+
+
+@dataclass(frozen=True)
+class WorldModelSection:
+    SECTION: ClassVar[str] = "world_model"
+    lora_rank: int
+    lr: float
+    epochs: int
+    batch: int
+    windows_per_episode: int
+    window_frames: int
+    kl_weight: float
+    ema: float
+
+
+@dataclass(frozen=True)
+class EnvSection:
+    SECTION: ClassVar[str] = "env"
+    mujoco_gl: str
+    render_size: int
+    settle_steps: int
+    replan_steps: int
+    max_macro_steps: int | None
+    msaa: bool
+    model_cache: str | None
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    """int and float fields (optional ones too) as numbers; everything else as given."""
+    if value is None:
+        return None
+    kinds = set(get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+    for kind in (int, float):
+        if kind in kinds and not isinstance(value, bool):
+            return kind(value)
+    return value
+
+
+def section(cfg: Mapping[str, Any], cls: type[S]) -> S:
+    """cfg[cls.SECTION] as the frozen dataclass `cls`; its fields are the schema's keys."""
+    name = cls.SECTION  # type: ignore[attr-defined]
+    raw = cfg[name]
+    hints = get_type_hints(cls)
+    want = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    if set(raw) != want:
+        raise ConfigError(
+            f"{name}: keys {sorted(set(raw) ^ want)} differ from the typed section's "
+            "(configs/schema.yaml and wamrl/config.py must agree)"
+        )
+    return cls(**{k: _convert(hints[k], raw[k]) for k in want})

@@ -1,7 +1,7 @@
 """Named points where the fault-injection suite (tests/faults/) breaks a stage.
 
 WAMRL_FAULT=[STAGE:]POINT[:MODE] acts the first time the process reaches POINT (in STAGE, as
-wamrl.cli.run_stage names it). MODE kill (the default) sends SIGKILL to the process itself;
+stages.cli.run_stage names it). MODE kill (the default) sends SIGKILL to the process itself;
 enospc and erofs raise the OSError a full or read-only disk would. Unset, a point costs one
 dictionary lookup. The points:
 
@@ -21,7 +21,7 @@ import os
 import signal
 
 ENV = "WAMRL_FAULT"
-STAGE: str | None = None  # set by wamrl.cli.run_stage
+STAGE: str | None = None  # set by stages.cli.run_stage
 _ERRORS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS}
 
 

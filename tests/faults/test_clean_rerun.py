@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from wamrl import atomic, cli, paths
+from stages import cli
+from wamrl import atomic, paths
 from wamrl.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

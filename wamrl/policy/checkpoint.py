@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from torch import Tensor, nn
 
-from wamrl.artifact import load_tensors, save_tensors
+from wamrl.artifact import checkpoint_hashes, load_tensors, save_tensors
+from wamrl.atomic import atomic_dir, write_json
+from wamrl.paths import CHECKPOINT_FILE, CONTEXT_FILE, STATS_FILE
+
+if TYPE_CHECKING:
+    from wamrl.policy.base import Policy
 
 
 def save_state(state: dict[str, Tensor], path: Path) -> None:
@@ -46,3 +53,34 @@ def read_policy_yaml(path: Path, backend: str | None = None) -> dict[str, Any]:
     if backend is not None and meta["backend"] != backend:
         raise ValueError(f"{path}: backend is {meta['backend']!r}, expected {backend!r}")
     return meta
+
+
+def write_policy_dir(
+    out: Path,
+    policy: Policy,
+    contexts: Path | tuple[Sequence[str], Tensor, Tensor],
+    stats: Path | Mapping[str, Any],
+    record: Mapping[str, Any],
+) -> None:
+    """Write a complete policy directory at `out`, atomically: the model (policy.save),
+    context.safetensors, stats.json and checkpoint.json (the sha256 of every file, then
+    `record`: iteration, provenance, config).
+
+    contexts: a context.safetensors to copy, or (task names, context, mask) to save;
+    stats: a stats.json to copy, or the statistics to write. The hashes are taken when
+    every other file is in place, so load_policy can check each one before use.
+    """
+    from wamrl.policy.text import save_contexts
+
+    with atomic_dir(out) as tmp:
+        policy.save(tmp)
+        if isinstance(contexts, Path):
+            shutil.copy2(contexts, tmp / CONTEXT_FILE)
+        else:
+            names, context, mask = contexts
+            save_contexts(tmp / CONTEXT_FILE, list(names), context, mask)
+        if isinstance(stats, Path):
+            shutil.copy2(stats, tmp / STATS_FILE)
+        else:
+            write_json(tmp / STATS_FILE, stats)
+        write_json(tmp / CHECKPOINT_FILE, {**checkpoint_hashes(tmp), **record})

@@ -53,7 +53,7 @@ INSTALL_HINT = (
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The prompt template of the Fast-WAM LIBERO data and eval (fastwam.datasets.lerobot.
-# robot_video_dataset.DEFAULT_PROMPT); stages/context.py takes it from the package itself.
+# robot_video_dataset.DEFAULT_PROMPT); wamrl/policy/context.py takes it from the package itself.
 PROMPT_FALLBACK = (
     "A video recorded from a robot's point of view executing the following instruction: {task}"
 )
@@ -103,8 +103,12 @@ class FastWAMArch:
 class FastWAMConfig:
     checkpoint: str  # the release's .pt ({"mot": state_dict, "proprio_encoder": state_dict})
     vae: str  # Wan2.2_VAE (.safetensors or .pth)
-    text_encoder: str | None = None  # umT5-xxl encoder weights; only stages/context.py reads it
-    tokenizer: str | None = None  # google/umt5-xxl tokenizer directory; only stages/context.py
+    text_encoder: str | None = (
+        None  # umT5-xxl encoder weights; only wamrl/policy/context.py reads it
+    )
+    tokenizer: str | None = (
+        None  # google/umt5-xxl tokenizer directory; only wamrl/policy/context.py
+    )
     dtype: str = "bfloat16"
     context_len: int = 128
     imagine_latent_frames: int = 3  # 1 + (33 - 1) / 4 / 4: the training window's latent frames

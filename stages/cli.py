@@ -2,6 +2,7 @@
 
     wamrl demos --worker 0              scripted-expert demonstrations -> demos/shard_000.zarr
     wamrl sft                           SFT on the demos -> sft/policy
+    wamrl context                       fastwam backend: the tasks' umT5 contexts -> context/
     wamrl init                          iteration 0: base policy + task contexts
     wamrl rollout --iter 3 --worker 0   one rollout shard
     wamrl reward  --iter 3              imagined-future rewards, returns, advantages
@@ -18,6 +19,9 @@
 Config: the run's resolved config (.wamrl/config.yaml in the run dir, written by the
 Snakefile) if present, else configs/default.yaml; then --configfile files, then --set
 key.path=value overrides. Every stage records the resolved config it ran with.
+
+This module alone imports the stages (stages.<name>.main): the wamrl library never does, so
+that it can be used and tested without them.
 """
 
 from __future__ import annotations
@@ -80,6 +84,12 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, **kwargs: Any) -> 
 def init(run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
     """Iteration 0: base checkpoint, per-task text contexts, statistics."""
     run_stage("init", resolve(run_dir, configfile, set), run_dir, iteration=0)
+
+
+@app.command()
+def context(run_dir: RunDir = Path("."), configfile: ConfigFiles = None, set: Sets = None) -> None:
+    """fastwam backend: each task's umT5 text context -> context/ (init reuses it)."""
+    run_stage("context", resolve(run_dir, configfile, set), run_dir)
 
 
 @app.command()
