@@ -141,6 +141,7 @@ def env_breakdown(rec: dict[str, Any], spawned_at: float | None = None) -> dict[
         "query": _s(p, "wait"),
         "tail": _s(p, "tail_idle"),
         "physics": _s(p, "reset") + _s(p, "step"),  # simulation incl. the renders used
+        "physics_no_render": _s(p, "reset") + _s(p, "step") - _s(p, "render"),
         "env_steps": float(_n(p, "step")),
         "resets": float(reset_n),
     }
@@ -153,6 +154,7 @@ def mean_env(records: list[dict[str, Any]], spawned_at: float | None = None) -> 
     rows = [env_breakdown(r, spawned_at) for r in records]
     out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
     out["physics_max"] = max(r["physics"] for r in rows)
+    out["physics_no_render_max"] = max(r["physics_no_render"] for r in rows)
     out["env_steps"] = sum(r["env_steps"] for r in rows)
     out["resets"] = sum(r["resets"] for r in rows)
     out["processes"] = float(len(rows))
@@ -187,12 +189,11 @@ def stage_breakdown(rec: dict[str, Any], exit_time: float) -> dict[str, float]:
     return out
 
 
-def physics_floor(pools: list[list[dict[str, float]]]) -> float:
+def physics_floor(pools: list[list[dict[str, float]]], key: str = "physics_max") -> float:
     """Env-physics seconds of pools run in sequence, each a list of pools run together:
-    pools together count once (the busiest process of any), sequences add up."""
-    return sum(
-        max((p.get("physics_max", 0.0) for p in together), default=0.0) for together in pools
-    )
+    pools together count once (the busiest process of any), sequences add up. key
+    physics_no_render_max: the same without the camera renders."""
+    return sum(max((p.get(key, 0.0) for p in together), default=0.0) for together in pools)
 
 
 def ratio(wall: float, floor: float) -> float:
@@ -441,11 +442,13 @@ def report(figures: dict[str, Any]) -> None:
         f"init (not counted): {s['init_wall']:.1f} s\n"
         f"env physics (busiest env process's reset + step, rollout {s['physics_rollout']:.1f} s "
         f"+ eval {s['physics_eval']:.1f} s): {s['env_physics']:.1f} s; "
-        f"env-only wall (cold): {s['env_only_wall']:.1f} s\n"
+        f"env-only wall (cold): {s['env_only_wall']:.1f} s; without the renders: "
+        f"{s['env_physics_no_render']:.1f} s\n"
         f"rollout stage vs its env physics: {s['rollout_ratio']:.1f}x; "
         f"biggest overhead: {s['biggest_overhead'][0]} ({s['biggest_overhead'][1]:.1f} s)\n"
         f"[bold]iteration wall / env-physics time = {s['ratio']:.1f}[/bold]  "
-        f"(/ env-only wall = {s['ratio_env_only_wall']:.1f})"
+        f"(/ env-only wall = {s['ratio_env_only_wall']:.1f}, / physics without renders = "
+        f"{s['ratio_no_render']:.1f})"
     )
 
 
@@ -539,6 +542,9 @@ def main() -> None:
         ]
         phys_rollout = physics_floor([[only["rollout"]["env"]]])
         phys_eval = physics_floor([[only["eval"]["env"]]])
+        bare = physics_floor(
+            [[only["rollout"]["env"]], [only["eval"]["env"]]], "physics_no_render_max"
+        )
         wall = jobs[-1].exit - jobs[0].launch
         iter_jobs = {k: v for k, v in figures["jobs"].items() if k != "init"}
         over = overheads(iter_jobs)
@@ -551,6 +557,7 @@ def main() -> None:
             "rollout_ratio": ratio(max(r["wall"] for r in rollouts), phys_rollout),
             "overheads_s": over, "biggest_overhead": list(biggest),
             "ratio": ratio(wall, phys_rollout + phys_eval),
+            "env_physics_no_render": bare, "ratio_no_render": ratio(wall, bare),
             "ratio_env_only_wall": ratio(wall, only["rollout"]["wall"] + only["eval"]["wall"]),
         }  # fmt: skip
         report(figures)

@@ -49,6 +49,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     ],
     "reward": [
         ("wamrl.policy", "load_policy", "policy_load"),
+        ("wamrl.store", "check_made_under", "store_read"),
         ("stages.reward", "run_reward", "compute"),
         ("wamrl.store", "write_reward_group", "store_write_inner"),  # inside compute
         ("stages.reward", "write_json", "store_final"),
@@ -56,6 +57,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     ],
     "actor": [
         ("wamrl.policy", "load_policy", "policy_load"),
+        ("wamrl.store", "check_made_under", "store_read"),
         ("stages.actor", "load_actor_data", "store_read"),
         ("stages.actor", "actor_update", "compute"),
         ("stages.actor", "atomic_dir", "store_final"),
@@ -63,6 +65,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     ],
     "world_model": [
         ("wamrl.policy", "load_policy", "policy_load"),
+        ("wamrl.store", "check_made_under", "store_read"),
         ("stages.world_model", "list_windows", "store_read"),
         ("stages.world_model", "world_model_update", "compute"),
         ("stages.world_model", "atomic_dir", "store_final"),

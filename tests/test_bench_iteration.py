@@ -89,7 +89,9 @@ def test_env_breakdown_takes_the_reset_renders_out_of_the_steps(bench):
 
 
 def test_mean_env_and_physics_floor(bench):
-    a = bench.mean_env([env_record(reset=2.0, step=8.0), env_record(reset=1.0, step=4.0)])
+    a = bench.mean_env(
+        [env_record(reset=2.0, step=8.0, render=4.0), env_record(reset=1.0, step=4.0, render=4.0)]
+    )
     assert a["physics"] == pytest.approx(7.5)
     assert a["physics_max"] == pytest.approx(10.0)
     assert a["processes"] == 2 and a["env_steps"] == 40
@@ -97,6 +99,9 @@ def test_mean_env_and_physics_floor(bench):
     # together: the busiest process of any pool; in sequence: they add up
     assert bench.physics_floor([[a, b]]) == pytest.approx(10.0)
     assert bench.physics_floor([[a], [b]]) == pytest.approx(13.0)
+    # without the renders (1 s each, 4 per process): 10 - 4 and 5 - 4
+    assert a["physics_no_render_max"] == pytest.approx(6.0)
+    assert bench.physics_floor([[a]], "physics_no_render_max") == pytest.approx(6.0)
     assert bench.mean_env([]) == {}
     assert bench.ratio(30.0, 10.0) == 3.0
     assert math.isnan(bench.ratio(1.0, 0.0))
@@ -197,3 +202,12 @@ def test_phases_relabel_last():
     assert p.seconds == {"wait": 1.0, "tail": 3.0} and p.counts == {"wait": 1, "tail": 1}
     p.relabel_last("missing", "tail")  # nothing to move
     assert p.counts["tail"] == 1
+
+
+def test_spawn_and_imports(bench):
+    rec = env_record(env_build=5.0, **{"import": 2.0})
+    b = bench.env_breakdown(rec, spawned_at=99.0)
+    assert b["spawn"] == pytest.approx(1.0)  # pool start to the worker's first line
+    assert b["imp"] == pytest.approx(5.0)  # its own imports + robosuite/LIBERO in the first build
+    assert b["build"] == pytest.approx(3.0)
+    assert bench.env_breakdown(rec)["spawn"] == 0.0
