@@ -21,8 +21,8 @@ if [[ $# -ge 2 ]]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 cores=$(nproc)
-# ONLY="policy rollout eval learner" (a subset) splits the run over several shorter calls.
-ONLY=${ONLY:-policy rollout eval learner}
+# ONLY="policy rollout eval learner iteration" (a subset) splits the run over several shorter calls.
+ONLY=${ONLY:-policy rollout eval learner iteration}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 run() { echo; echo "== $* ($(date +%T))"; "$@"; }
 
@@ -49,4 +49,7 @@ want learner && run python3 bench/bench_learner.py --device cuda --steps 2048 --
 want learner && run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --epochs 1
 # The same minibatch in parts of 16 (actor.micro_batch): peak memory against speed.
 want learner && run python3 bench/bench_learner.py --device cuda --config configs/fullsize.yaml --steps 64 --minibatch 64 --micro-batch 16 --epochs 1
+# One whole iteration of the RL recipe (every stage a process, as the Snakefile runs them)
+# against the env-only physics of the same episodes; figures also in bench_iteration.json.
+want iteration && run python3 bench/bench_iteration.py --config configs/rl_gpu.yaml --json bench_iteration.json
 true  # a final skipped step is no failure

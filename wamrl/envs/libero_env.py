@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from wamrl import timing
 from wamrl.envs.conventions import DUMMY_ACTION, model_image, raw_proprio
 from wamrl.envs.tasks import Task
 
@@ -91,6 +92,7 @@ def compile_model(xml: str, cache_dir: Path | None) -> Any:
 class LiberoEnv:
     """A persistent LIBERO env for one task: reset(init) -> [render/proprio, step]* -> reset ..."""
 
+    @timing.timed("env_build")
     def __init__(
         self,
         task: Task,
@@ -105,7 +107,8 @@ class LiberoEnv:
         models (.mjb, see compile_model), None to compile every build."""
         if "MUJOCO_GL" not in os.environ:
             raise RuntimeError("set MUJOCO_GL (egl or osmesa) before creating a LiberoEnv")
-        from libero.libero.envs import OffScreenRenderEnv
+        with timing.phase("import"):  # the first build imports robosuite and LIBERO
+            from libero.libero.envs import OffScreenRenderEnv
 
         self.task = task
         self.render_size = render_size
@@ -136,7 +139,7 @@ class LiberoEnv:
         blank = np.zeros((self.render_size, self.render_size, 3), np.uint8)
         for cam in CAMERAS:
             observable = self._robosuite_env._observables[f"{cam}_image"]
-            render = observable._sensor
+            render = timing.timed("render")(observable._sensor)  # inside a step's time
 
             def gated(obs_cache: dict, render: Any = render) -> np.ndarray:
                 return render(obs_cache) if self._render_on else blank
@@ -187,6 +190,7 @@ class LiberoEnv:
                 continue
         raise RuntimeError(f"{self.task.name}: object placement failed {attempts} times")
 
+    @timing.timed("reset")
     def reset(self, init_state_index: int) -> None:
         """Soft reset, load the suite's init state, then settle with the dummy action.
 
@@ -224,6 +228,7 @@ class LiberoEnv:
             raise RuntimeError("no rendered observation yet: reset(), or step(..., render=True)")
         return self._raw
 
+    @timing.timed("image")
     def render(self) -> np.ndarray:
         """The model image of the last rendered observation, uint8 [224, 448, 3]."""
         return model_image(*self.render_raw())
@@ -239,6 +244,7 @@ class LiberoEnv:
             raise RuntimeError("reset() first")
         return raw_proprio(self._obs)
 
+    @timing.timed("step")
     def step(self, action: np.ndarray, render: bool = False) -> bool:
         """Execute one env action (7,); returns LIBERO's success (env.check_success()).
 

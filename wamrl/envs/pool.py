@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from wamrl import timing
 from wamrl.contract import FRAME_OFFSETS
 from wamrl.envs.conventions import Normalizer
 from wamrl.envs.tasks import Task
@@ -144,17 +145,22 @@ def _worker_main(
     # The policy process answers every env's query, so its latency is every env's latency:
     # env workers (CPU-bound, often more of them than cores) run at a lower priority.
     os.nice(5)
+    timing.mark("worker_start")  # WAMRL_TIMING: phases of this env process (wamrl/timing.py)
     os.environ["MUJOCO_GL"] = str(cfg_env.get("mujoco_gl", "egl"))
     os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
     from wamrl.envs.libero_env import LiberoEnv  # imports robosuite: after MUJOCO_GL
+
+    timing.mark("imported")
 
     env: LiberoEnv | None = None
     ep: _Episode | None = None
     try:
         while True:
-            msg = conn.recv()
+            with timing.phase("wait"):  # for the parent: a query's answer, the next episode
+                msg = conn.recv()
             kind = msg[0]
             if kind == "close":
+                timing.relabel_last("wait", "tail_idle")
                 break
             if kind == "start":
                 _, task, init_state, record_video, max_macro_steps, record_frames = msg
@@ -200,6 +206,7 @@ def _worker_main(
         if env is not None:
             with contextlib.suppress(Exception):  # GL teardown errors at exit are harmless
                 env.close()
+        timing.write("env")
 
 
 # ----------------------------------------------------------------------------- parent side
