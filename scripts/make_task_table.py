@@ -1,6 +1,6 @@
 """Generate data/tasks.json, the 40-task table, from the installed LIBERO benchmark.
 
-Suites in the order the episode store indexes them (DESIGN.md "Artifacts"):
+Suites in the order the episode store indexes them (docs/design.md "Artifacts"):
 libero_spatial, libero_object, libero_goal, libero_10, each in its standard task order
 (task_order_index 0). Nothing here is typed by hand: names, language, bddl paths and the
 number of init states all come from `libero.libero.benchmark`.

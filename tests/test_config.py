@@ -143,3 +143,25 @@ def test_env_msaa_is_a_key_off_by_default() -> None:
         load_config(overrides={"env.msaa": "yes"})
     with pytest.raises(ConfigError, match="eval.protocol"):
         load_config(overrides={"eval.protocol": "paper"})
+
+
+def test_typed_sections_match_the_schema_and_read_numbers() -> None:
+    from wamrl.config import (
+        ActorSection,
+        EnvSection,
+        RewardSection,
+        RolloutSection,
+        WorldModelSection,
+        section,
+    )
+
+    cfg = load_config()
+    for cls in (ActorSection, EnvSection, RewardSection, RolloutSection, WorldModelSection):
+        typed = section(cfg, cls)  # raises if the dataclass and the schema's keys drift apart
+        assert typed == cls(**cfg[cls.SECTION])
+    raw = {**cfg, "actor": {**cfg["actor"], "lr": "1e-5", "epochs": "3"}}  # YAML 1.1 strings
+    actor = section(raw, ActorSection)
+    assert actor.lr == 1e-5 and isinstance(actor.lr, float)
+    assert actor.epochs == 3 and isinstance(actor.epochs, int)
+    with pytest.raises(ConfigError, match=r"actor: keys \['surplus'\]"):
+        section({**cfg, "actor": {**cfg["actor"], "surplus": 1}}, ActorSection)

@@ -58,7 +58,7 @@ def to_model(images: np.ndarray) -> torch.Tensor:
 
 
 def sample_chains(policy, obs: Obs, K: int, a: float, shift: float, gen: torch.Generator):
-    """Mixed ODE/SDE chains with one SDE step k* per sample (DESIGN.md "The sampler")."""
+    """Mixed ODE/SDE chains with one SDE step k* per sample (docs/design.md "The sampler")."""
     B = obs.batch_size
     sig = sampler.sigma_schedule(K, shift)
     k_star = torch.randint(1, K, (B,), generator=gen)

@@ -1,4 +1,4 @@
-"""Task success stays dominant over reconstruction reward (DESIGN.md "Reward"), and the
+"""Task success stays dominant over reconstruction reward (docs/design.md "Reward"), and the
 world model trains on normalised proprio.
 
 r = r^task + beta * (1 - gamma) * clip(r~^rec, -c, c): the reconstruction part of any return

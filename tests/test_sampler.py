@@ -1,4 +1,4 @@
-"""The mixed ODE/SDE sampler against its formulas (DESIGN.md "The sampler").
+"""The mixed ODE/SDE sampler against its formulas (docs/design.md "The sampler").
 
 References are computed independently in float64 numpy from the written formulas:
     sigma_k = phi(1 - k/K), phi(u) = s u / (1 + (s - 1) u)

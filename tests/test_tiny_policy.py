@@ -1,5 +1,5 @@
 """The `tiny` backend: cache == joint forward under Fast-WAM's mask, the mask itself,
-checkpoints, LoRA, parameter groups, losses and imagination (DESIGN.md "The policy")."""
+checkpoints, LoRA, parameter groups, losses and imagination (docs/design.md "The policy")."""
 
 from __future__ import annotations
 

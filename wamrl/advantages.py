@@ -1,6 +1,6 @@
 """Reward combination, discounted returns, group advantages and degenerate-group filtering.
 
-Pure numpy (DESIGN.md "Reward" and "Advantages"). Arrays are [E, T] over episodes and
+Pure numpy (docs/design.md "Reward" and "Advantages"). Arrays are [E, T] over episodes and
 macro-steps, with `valid` [E, T] marking macro-steps that exist (padding is False). Every
 function returns 0 on padding so the arrays can be written into the store as they are.
 """

@@ -1,4 +1,4 @@
-"""Where every artifact of a run lives (DESIGN.md "One iteration" and "Artifacts").
+"""Where every artifact of a run lives (docs/design.md "One iteration" and "Artifacts").
 
 All paths are relative to the run directory, the folder Snakemake runs in. The file names
 inside an artifact directory are constants here, so that the stage writing a file and every

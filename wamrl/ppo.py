@@ -1,4 +1,4 @@
-"""The actor update: PPO clip per denoising step (seed 002, DESIGN.md "Actor").
+"""The actor update: PPO clip per denoising step (seed 002, docs/design.md "Actor").
 
 For each kept macro-step the rollout stored x_{k*}, x_{k*+1} and log pi_old of that one
 stochastic transition. The learner recomputes the SDE mean mu from x_{k*} with gradients

@@ -1,4 +1,4 @@
-"""The reward stage's library (DESIGN.md "Reward" and "Advantages").
+"""The reward stage's library (docs/design.md "Reward" and "Advantages").
 
 For every valid macro-step the world model imagines the frames at +4 and +8 env steps
 from the stored query image; r^rec = -MSE(imagined, rendered) in the model's [-1, 1]

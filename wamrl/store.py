@@ -1,4 +1,4 @@
-"""The episode store: one zarr v3 group per rollout shard (DESIGN.md "Artifacts").
+"""The episode store: one zarr v3 group per rollout shard (docs/design.md "Artifacts").
 
 Layout (E episodes, T macro-steps, K denoising steps, Tv recorded video frames):
 
@@ -140,7 +140,7 @@ _EPISODE = ("episode",)
 _STEP = ("episode", "step")
 _PIXELS = ("height", "width", "channel")
 
-# The contract, one row per array (DESIGN.md "Artifacts" + env_crashed + video/ + reward/).
+# The contract, one row per array (docs/design.md "Artifacts" + env_crashed + video/ + reward/).
 SCHEMA: tuple[ArraySpec, ...] = (
     ArraySpec("episode/task", "int32", _EPISODE, _ep, _ep_chunk),
     ArraySpec("episode/init_state", "int32", _EPISODE, _ep, _ep_chunk),

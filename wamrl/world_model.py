@@ -1,4 +1,4 @@
-"""World-model update: video flow matching + feature KL through LoRA (DESIGN.md "World model").
+"""World-model update: video flow matching + feature KL through LoRA (docs/design.md "World model").
 
 Windows are 33 raw frames t0 .. t0+32 of a successful video-SFT episode, sampled every
 4th frame (9 frames, the first is the clean condition), up to 8 per episode at evenly

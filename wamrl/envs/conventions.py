@@ -1,4 +1,4 @@
-"""Fast-WAM's LIBERO conventions as pure functions (DESIGN.md "Environment conventions").
+"""Fast-WAM's LIBERO conventions as pure functions (docs/design.md "Environment conventions").
 
 The real checkpoint only works if these match its eval code exactly:
 - image: both 256 px cameras rotated 180 deg, centre-crop-resized to 224 px (PIL bilinear),

@@ -1,4 +1,4 @@
-"""One LIBERO task environment, kept alive across episodes (DESIGN.md "Environment conventions").
+"""One LIBERO task environment, kept alive across episodes (docs/design.md "Environment conventions").
 
 Rendering only the frames that are used: robosuite's camera observables would render both
 cameras on every env step (70-360 ms on CPU). Turning them off (use_camera_obs=False) and

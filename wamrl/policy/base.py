@@ -1,4 +1,4 @@
-"""The one policy interface every stage uses (DESIGN.md "The policy").
+"""The one policy interface every stage uses (docs/design.md "The policy").
 
 A backend is a World Action Model: a video expert and an action expert joined per layer
 under Fast-WAM's attention mask. Stages never see backend internals; they call:

@@ -2,7 +2,7 @@
 
 The official package (import name `fastwam`, https://github.com/yuantianyuan01/FastWAM) is an
 optional dependency, imported at run time; nothing of it is vendored here. What this adapter
-maps onto the interface (DESIGN.md "The policy"):
+maps onto the interface (docs/design.md "The policy"):
 
 - prefill   = VAE-encode the current image (first latent frame), append the proprio token to
               the umT5 context, run the video expert's `pre_dit` at timestep 0 and

@@ -1,6 +1,6 @@
 """The `tiny` backend: Fast-WAM's mixture-of-transformers at laptop size.
 
-Structure (DESIGN.md "The policy"):
+Structure (docs/design.md "The policy"):
 - an image autoencoder of its own, 16x spatial compression: 224x448 -> 14x28 latents,
   2x2 patches -> 98 tokens per frame;
 - a video expert and an action expert, `layers` layers each. In every layer each expert
