@@ -14,6 +14,7 @@ def test_default_is_valid_and_complete():
         "K": 8,
         "noise_a": 0.5,
         "shift": 5.0,
+        "kstar_max": None,  # k* ~ U{1..K-1}, as seed 002 draws it
         "cuda_graphs": True,
         "amp": None,
         "max_batch": None,

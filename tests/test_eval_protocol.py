@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from stages.eval import Protocol, episode_noise, reference_rates, resolve_protocol, success_table
-from wamrl.config import DEFAULT_CONFIG, load_config
+from wamrl.config import DEFAULT_CONFIG, ConfigError, load_config
 from wamrl.envs.tasks import load_tasks
 from wamrl.plan import EpisodeSpec
 from wamrl.rollout import _episode_noise, _Running
@@ -162,3 +162,18 @@ def test_first_run_table_shows_the_base_rates_beside() -> None:
     for t in tasks:
         assert f"{ref['tasks'][t.name]:.2f}" in table.split(t.name[:50])[1].splitlines()[0]
     assert "full step budgets" in table and "data/base_policy/eval.json" in table
+
+
+def test_kstar_max_bounds_the_rollout_sde_step() -> None:
+    """sampler.kstar_max: k* ~ U{1..kstar_max}, drawn in the same place of the episode's
+    stream, so x_0 stays the same number and only k* (and what follows it) changes."""
+    wamrl = resolve_protocol(load_config())
+    seen = {_episode_noise(running(wamrl, t, k), 8, 0.5, 6)[1] for t in range(40) for k in (0, 1)}
+    assert seen == set(range(1, 7))  # 80 draws: every step but the last, never 7
+    default, capped = (_episode_noise(running(wamrl, 21, 0), 8, 0.5, m) for m in (None, 6))
+    assert torch.equal(default[0], capped[0])
+    g = torch.Generator().manual_seed(running(wamrl, 21, 0).spec.noise_seed)
+    torch.randn(32, 7, generator=g)
+    assert capped[1] == int(torch.randint(1, 7, (1,), generator=g))
+    with pytest.raises(ConfigError, match="kstar_max: 8 exceeds K - 1 = 7"):
+        load_config(overrides={"sampler.kstar_max": 8})

@@ -179,3 +179,26 @@ def test_batching_policy_alone() -> None:
     # fixed_batch: padded to pad_to by repeating row 0; a full batch or no pad_to stays
     assert Batching(pad_to=4).rows(2) == [0, 1, 0, 0]
     assert Batching(pad_to=4).rows(4) is None and Batching().rows(2) is None
+
+
+@pytest.mark.parametrize("fixed_batch", [False, True])
+def test_kstar_max_holds_for_episodes_without_their_own_noise(fixed_batch: bool) -> None:
+    """Episodes without a noise_seed draw from the run's generator: sampler.kstar_max still
+    bounds their k*, padded batches included."""
+    import wamrl.rollout as rollout
+    from wamrl.envs.conventions import Normalizer
+    from wamrl.envs.tasks import load_tasks
+    from wamrl.policy.tiny import TinyConfig, TinyWAM
+
+    cfg = TinyConfig(video_dim=32, action_dim=32, layers=1, heads=2, head_dim=16, text_max_len=4)
+    task = load_tasks()[0]
+    got: dict[int, object] = {}
+    rollout.run_episodes(
+        TinyWAM(cfg).eval(), _ScriptedPool(6, chunks=4), [rollout.EpisodeSpec(task, i, i) for i in range(5)],
+        torch.zeros(40, 4, cfg.text_dim), torch.ones(40, 4, dtype=torch.bool),
+        Normalizer.load(ROOT / "data" / "stats.json"),
+        rollout.SamplerSettings(8, 0.5, 5.0, kstar_max=2), None, 0, got.__setitem__,
+        torch.device("cpu"), fixed_batch=fixed_batch,
+    )  # fmt: skip
+    k_star = np.concatenate([d.k_star for d in got.values()])
+    assert len(k_star) == 20 and set(k_star.tolist()) == {1, 2}

@@ -156,6 +156,9 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
         # compile only changes what the CUDA graphs record: without them it would be ignored
         raise ConfigError("sampler.compile: needs sampler.cuda_graphs true (it compiles the "
                           "layers the graphs record)")  # fmt: skip
+    kstar_max, K = cfg["sampler"]["kstar_max"], cfg["sampler"]["K"]
+    if kstar_max is not None and kstar_max > K - 1:
+        raise ConfigError(f"sampler.kstar_max: {kstar_max} exceeds K - 1 = {K - 1} (sampler.K)")
     low = [f"{k}.amp" for k in ("sampler", "actor") if cfg[k]["amp"] is not None]
     fw = cfg["policy"].get("fastwam") or {}
     if cfg["policy"]["backend"] == "fastwam" and fw.get("dtype", "float32") != "float32":
@@ -237,6 +240,7 @@ MADE_UNDER: dict[str, tuple[str, ...]] = {
         "sampler.noise_a",
         "sampler.shift",
         "sampler.amp",
+        "sampler.kstar_max",
         "env.render_size",
         "env.settle_steps",
         "env.replan_steps",

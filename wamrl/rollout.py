@@ -42,6 +42,7 @@ class SamplerSettings:
     amp: torch.dtype | None = None  # sampler.amp: autocast dtype of the model (log pi stays fp32)
     max_batch: int | None = None  # sampler.max_batch: most queries answered in one batch
     compile: bool = False  # sampler.compile: graphs record torch.compile'd layers
+    kstar_max: int | None = None  # sampler.kstar_max: k* ~ U{1..kstar_max} (None = K - 1)
     # x_k and the ODE step sizes in this dtype (a = 0 only): eval.protocol official on a bf16
     # model, as Fast-WAM's infer_action; float32 otherwise
     scheduler_dtype: torch.dtype = torch.float32
@@ -54,6 +55,7 @@ class SamplerSettings:
         return cls(
             s["K"] if K is None else K, s["noise_a"] if a is None else a, s["shift"],
             s["cuda_graphs"], AMP_DTYPES[s["amp"]], s["max_batch"], s["compile"],
+            kstar_max=s["kstar_max"],
         )  # fmt: skip
 
 
@@ -397,7 +399,9 @@ def run_episodes(
     return runner.run(description)
 
 
-def _episode_noise(ep: _Running, K: int, a: float) -> tuple[torch.Tensor, int, torch.Tensor]:
+def _episode_noise(
+    ep: _Running, K: int, a: float, kstar_max: int | None = None
+) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(x_0 [32, 7], k*, xi [32, 7]) of an episode's next query from its own generator: the
     same numbers whichever env or batch the query lands in. x_0 first, so a = 0 (eval) draws
     exactly one randn per query; with reseed_each_query the generator restarts every query
@@ -407,7 +411,7 @@ def _episode_noise(ep: _Running, K: int, a: float) -> tuple[torch.Tensor, int, t
     x0 = torch.randn(CHUNK_LEN, ACTION_DIM, generator=ep.generator)
     if a <= 0:
         return x0, 0, torch.zeros(CHUNK_LEN, ACTION_DIM)
-    k_star = int(draw_kstar(1, K, ep.generator)[0])
+    k_star = int(draw_kstar(1, K, ep.generator, high=kstar_max)[0])
     return x0, k_star, torch.randn(CHUNK_LEN, ACTION_DIM, generator=ep.generator)
 
 
@@ -436,15 +440,19 @@ def _answer(
     ).to(device)
     x0 = k_star = xi = None
     if all(ep.generator is not None for ep in eps):  # per-episode reproducible noise
-        noise = [_episode_noise(ep, sampler.K, sampler.a) for ep in eps]
+        noise = [_episode_noise(ep, sampler.K, sampler.a, sampler.kstar_max) for ep in eps]
         x0 = torch.stack([n[0] for n in noise]).to(device)
         k_star = torch.tensor([n[1] for n in noise], dtype=torch.long)
         xi = torch.stack([n[2] for n in noise])
+    elif sampler.kstar_max is not None and sampler.a > 0:  # the samplers draw from 1..K-1
+        k_star = draw_kstar(len(eps), sampler.K, generator, high=sampler.kstar_max)
     if rows is not None:  # fixed_batch: the padding repeats row 0
         index = torch.tensor(rows, device=device)
         obs = Obs(obs.image[index], obs.proprio[index], obs.context[index], obs.context_mask[index])
         if x0 is not None:
             x0, k_star, xi = x0[index], k_star[index.cpu()], xi[index.cpu()]
+        elif k_star is not None:
+            k_star = k_star[index.cpu()]
     if graphed is not None:
         out = graphed.query(obs, generator, x0=x0, k_star=k_star, xi=xi)
     else:
