@@ -40,7 +40,7 @@ def main(cfg: dict[str, Any], run_dir: Path, worker: int) -> None:
     from wamrl.demos import record, write_demo_store
     from wamrl.envs.libero_env import LiberoEnv
     from wamrl.experts import make_expert
-    from wamrl.rollout import progress_bar
+    from wamrl.progress import progress_bar
 
     W = cfg["demos"]["workers"]
     if not 0 <= worker < W:

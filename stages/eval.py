@@ -145,7 +145,8 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     set_gl_backend(cfg)
     from wamrl.artifact import checkpoint_sha256
     from wamrl.envs.pool import EnvPool
-    from wamrl.rollout import EpisodeSpec, SamplerSettings, load_for_queries, run_episodes
+    from wamrl.plan import EpisodeSpec
+    from wamrl.rollout import SamplerSettings, load_for_queries, run_episodes
 
     run_dir = Path(run_dir)
     policy_dir = paths.policy_dir(run_dir, iteration)

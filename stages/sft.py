@@ -27,7 +27,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     from wamrl.envs.tasks import load_tasks
     from wamrl.policy import build_policy
     from wamrl.policy.text import cached_task_contexts
-    from wamrl.rollout import progress_bar
+    from wamrl.progress import progress_bar
     from wamrl.runtime import pick_device
     from wamrl.sft import Batches, train
 
