@@ -64,3 +64,20 @@ def test_imagine_batches_cross_episodes_in_order() -> None:
     valid = np.array([[1, 1, 0], [0, 0, 0], [1, 1, 1]], dtype=bool)
     got = [b.tolist() for b in imagine_batches(valid, 2)]
     assert got == [[[0, 0], [0, 1]], [[2, 0], [2, 1]], [[2, 2]]]
+
+
+def test_imagination_progress_counts_every_batch_and_prints_to_a_log(tmp_path) -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from wamrl.progress import progress_bar
+
+    g, _ = _store(tmp_path, lengths=[3, 0, 5, 1], T=6)
+    log = StringIO()  # not a terminal: the bar prints plain lines, as in a stage's log
+    with progress_bar(console=Console(file=log, force_terminal=False)) as bar:
+        ctx, mask = torch.zeros(2, 5, 3), torch.ones(2, 5, dtype=torch.bool)
+        reconstruction_rewards(ShiftImagination(), g, 2, ctx, mask, 4, 0, "cpu", 2, bar)  # type: ignore[arg-type]
+        (task,) = bar.tasks
+    assert (task.completed, task.total) == (5, 5)  # 9 valid steps in batches of 2
+    assert "reward imagination, shard 2: 5/5 9 steps" in log.getvalue()

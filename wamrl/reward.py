@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from rich.progress import Progress
 from torch import Tensor
 
 from wamrl import advantages as A
 from wamrl import store
 from wamrl.contract import N_FUTURE, uint8_to_model
 from wamrl.policy.base import Obs, Policy
+from wamrl.progress import progress_bar
 
 
 def step_seed(base: int, shard: int, episode: int, step: int) -> int:
@@ -73,6 +75,7 @@ def reconstruction_rewards(
     seed: int,
     device: torch.device | str = "cpu",
     batch: int = 64,
+    progress: Progress | None = None,
 ) -> np.ndarray:
     """r^rec [E, T] for one shard: -mean((imagined - rendered)^2) over both future frames.
 
@@ -81,6 +84,8 @@ def reconstruction_rewards(
     episode and step), so a rerun on the same store with the same batch (or a run that skips
     other shards) reproduces the arrays exactly. The next batch is read and decompressed
     while the device imagines this one. 0 on padding. g: store.open_rollout(path).
+    progress: a bar that gets one task per shard, advanced per batch (on a CPU the
+    imagination takes minutes).
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -88,6 +93,15 @@ def reconstruction_rewards(
     task = torch.as_tensor(store.read_episode_arrays(g, ["task"])["task"].astype(np.int64))
     r_rec = np.zeros(valid.shape, dtype=np.float32)
     batches = imagine_batches(valid, batch)
+    bar = (
+        None
+        if progress is None
+        else progress.add_task(
+            f"reward imagination, shard {shard}",
+            total=len(batches),
+            info=f"{int(valid.sum())} steps",
+        )
+    )
     policy.eval()
     with ThreadPoolExecutor(1) as reader:
         pending = reader.submit(_read_batch, g, batches[0]) if batches else None
@@ -113,6 +127,8 @@ def reconstruction_rewards(
                 )
             mse = ((imagined - target) ** 2).flatten(1).mean(dim=1)
             r_rec[pairs[:, 0], pairs[:, 1]] = (-mse).cpu().numpy()
+            if bar is not None:
+                progress.update(bar, advance=1)  # type: ignore[union-attr]
     return r_rec
 
 
@@ -316,21 +332,23 @@ def run_reward(
     rcfg = cfg["reward"]
     check_success_dominates(shard_paths, rcfg)  # before any imagination
     inputs, rollouts = [], []
-    for w, path in enumerate(shard_paths):
-        g = store.open_rollout(path)  # the stage's one validation of the rollout's part
-        rollouts.append(g)
-        r_rec = reconstruction_rewards(
-            policy,
-            g,
-            w,
-            context,
-            context_mask,
-            int(rcfg["imagine_steps"]),
-            int(cfg["seed"]),
-            device,
-            int(rcfg["imagine_batch"]),
-        )
-        inputs.append(read_inputs(g, r_rec))
+    with progress_bar() as bar:
+        for w, path in enumerate(shard_paths):
+            g = store.open_rollout(path)  # the stage's one validation of the rollout's part
+            rollouts.append(g)
+            r_rec = reconstruction_rewards(
+                policy,
+                g,
+                w,
+                context,
+                context_mask,
+                int(rcfg["imagine_steps"]),
+                int(cfg["seed"]),
+                device,
+                int(rcfg["imagine_batch"]),
+                bar,
+            )
+            inputs.append(read_inputs(g, r_rec))
     result = compute_advantages(inputs, rcfg)
     for name, arrs in ((n, a) for n, a in zip(shard_paths, result.arrays, strict=True)):
         for k, v in arrs.items():
