@@ -369,3 +369,30 @@ def test_draw_kstar_is_the_one_k_star_draw_and_takes_a_range() -> None:
     for low, high in ((0, 3), (2, 8), (5, 4)):
         with pytest.raises(ValueError, match="k\\* range"):
             kstar_bounds(K, low, high)
+
+
+def test_kstar_max_bounds_every_sampler_path() -> None:
+    """sampler.kstar_max reaches draw_noise on each path: the eager sampler and the graphed
+    one (eager on a CPU) draw k* only in 1..kstar_max, from the same generator numbers as
+    draw_kstar; a given per-row k* above it is refused."""
+    from wamrl.graphed import GraphedSampler
+    from wamrl.sampler import draw_kstar, draw_noise
+
+    K, high, B = 8, 3, 64
+    _, k_star, _ = draw_noise(B, K, 0.5, torch.Generator().manual_seed(1), kstar_max=high)
+    gen = torch.Generator().manual_seed(1)
+    torch.randn(B, CHUNK_LEN, ACTION_DIM, generator=gen)  # x_0 comes first
+    assert torch.equal(k_star, draw_kstar(B, K, gen, high=high))
+    assert set(k_star.tolist()) == {1, 2, 3}
+    with pytest.raises(ValueError, match="k\\* must lie in 1..3"):
+        draw_noise(1, K, 0.5, None, torch.zeros(1, CHUNK_LEN, ACTION_DIM), torch.tensor([5]),
+                   torch.zeros(1, CHUNK_LEN, ACTION_DIM), kstar_max=high)  # fmt: skip
+
+    model = tiny_policy()
+    obs = tiny_obs(model, b=B)
+    eager = sample_chunk(model, model.prefill(obs), B, K, 0.5, 5.0,
+                         torch.Generator().manual_seed(2), kstar_max=high)  # fmt: skip
+    graphed = GraphedSampler(model, K, 0.5, 5.0, B, kstar_max=high)
+    out = graphed.query(obs, torch.Generator().manual_seed(2))
+    assert int(eager.k_star.max()) == high and torch.equal(out.k_star.cpu(), eager.k_star.cpu())
+    torch.testing.assert_close(out.chain, eager.chain)

@@ -120,13 +120,16 @@ class GraphedSampler:
         cast_once: bool = True,
         compile: bool = False,
         fixed_batch: bool = False,
+        kstar_max: int | None = None,
     ):
         """cast_once False keeps autocast's per-call weight casts (benchmarks compare).
         compile: queries run a copy whose layers are compiled (Policy.compile_layers) before
         the graphs record them; the copy shares the fp32 weights or holds the amp ones.
         fixed_batch: one graph, of max_batch rows, for every query (eval pads every batch to
-        that size, so that a row's result does not depend on the batch it came in)."""
+        that size, so that a row's result does not depend on the batch it came in).
+        kstar_max: the highest SDE step (sampler.draw_noise)."""
         self.policy, self.K, self.a, self.amp = policy, K, a, amp
+        self.kstar_max = kstar_max
         self.cast_once, self.compile = cast_once, compile
         self.device = next(policy.parameters()).device
         self.sigmas = sigma_schedule(K, shift).to(self.device)
@@ -161,7 +164,9 @@ class GraphedSampler:
         from `generator` as sample_chunk draws it."""
         batch = obs.batch_size
         self._sync_weights()
-        x0, k_star, xi = draw_noise(batch, self.K, self.a, generator, x0, k_star, xi)
+        x0, k_star, xi = draw_noise(
+            batch, self.K, self.a, generator, x0, k_star, xi, self.kstar_max
+        )
         inputs = (obs.image, obs.proprio, obs.context, obs.context_mask, x0, k_star, xi)
         if self.use_graphs:
             size = self.bucket(batch)

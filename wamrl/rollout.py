@@ -151,6 +151,7 @@ def query_chunks(
         return sample_chunk(
             policy, cache, obs.batch_size, sampler.K, sampler.a, sampler.shift, generator, x0=x0,
             k_star=k_star, xi=xi, scheduler_dtype=sampler.scheduler_dtype,
+            kstar_max=sampler.kstar_max,
         )  # fmt: skip
 
 
@@ -253,6 +254,7 @@ class EpisodeRunner:
                 amp=sampler.amp,
                 compile=sampler.compile,
                 fixed_batch=batching.pad_to is not None,
+                kstar_max=sampler.kstar_max,
             )
         self.graphed = graphed
         step_cap = math.inf if max_macro_steps is None else max_macro_steps * pool.replan
@@ -444,15 +446,11 @@ def _answer(
         x0 = torch.stack([n[0] for n in noise]).to(device)
         k_star = torch.tensor([n[1] for n in noise], dtype=torch.long)
         xi = torch.stack([n[2] for n in noise])
-    elif sampler.kstar_max is not None and sampler.a > 0:  # the samplers draw from 1..K-1
-        k_star = draw_kstar(len(eps), sampler.K, generator, high=sampler.kstar_max)
     if rows is not None:  # fixed_batch: the padding repeats row 0
         index = torch.tensor(rows, device=device)
         obs = Obs(obs.image[index], obs.proprio[index], obs.context[index], obs.context_mask[index])
         if x0 is not None:
             x0, k_star, xi = x0[index], k_star[index.cpu()], xi[index.cpu()]
-        elif k_star is not None:
-            k_star = k_star[index.cpu()]
     if graphed is not None:
         out = graphed.query(obs, generator, x0=x0, k_star=k_star, xi=xi)
     else:

@@ -107,8 +107,10 @@ def draw_noise(
     x0: Tensor | None = None,
     k_star: Tensor | None = None,
     xi: Tensor | None = None,
+    kstar_max: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(x_0 [B, 32, 7], k* [B], xi [B, 32, 7]) on the CPU; xi[b] is row b's SDE noise.
+    k* lies in 1..kstar_max (default K - 1: sampler.kstar_max), drawn or checked.
 
     What is given (per-episode noise, wamrl.rollout) is used as it is; the rest is drawn from
     `generator` in a fixed order: x_0, k*, then one full-batch randn for each step that is
@@ -120,9 +122,9 @@ def draw_noise(
         x0 = torch.randn(batch, CHUNK_LEN, ACTION_DIM, generator=generator)
     if k_star is None:
         no_sde = torch.zeros(batch, dtype=torch.long)
-        k_star = draw_kstar(batch, K, generator) if a > 0 else no_sde
+        k_star = draw_kstar(batch, K, generator, high=kstar_max) if a > 0 else no_sde
     elif a > 0:
-        check_kstar(k_star, K)
+        check_kstar(k_star, K, high=kstar_max)
     k_star = k_star.long().cpu()
     if xi is None:
         xi = torch.zeros(batch, CHUNK_LEN, ACTION_DIM)
@@ -170,6 +172,7 @@ def sample_chunk(
     k_star: Tensor | None = None,
     scheduler_dtype: torch.dtype = torch.float32,
     xi: Tensor | None = None,
+    kstar_max: int | None = None,
 ) -> SampleResult:
     """Denoise a batch of chunks over a prefilled cache with the mixed sampler.
 
@@ -179,6 +182,7 @@ def sample_chunk(
     bf16, sigmas from `official_sigmas`. The chain is returned in float32.
     x0 [B, 32, 7], k_star [B], xi [B, 32, 7] (row b's SDE noise): given, they replace the
     draws from `generator` (per-episode noise: a row's numbers do not depend on its batch).
+    kstar_max: the highest SDE step (draw_noise).
     """
     device = _device_of(policy)
     if scheduler_dtype != torch.float32:
@@ -187,7 +191,7 @@ def sample_chunk(
         if a > 0:  # log pi needs float32 SDE arithmetic (the bf16 ratio pitfall)
             raise ValueError(f"scheduler_dtype {scheduler_dtype} needs a = 0, got a = {a}")
         return _sample_ode_low_precision(policy, cache, batch, K, shift, x0, scheduler_dtype)
-    x0, k_star, xi = draw_noise(batch, K, a, generator, x0, k_star, xi)
+    x0, k_star, xi = draw_noise(batch, K, a, generator, x0, k_star, xi, kstar_max)
     k_star = k_star.to(device)
     sigmas = sigma_schedule(K, shift).to(device)
     chain, logp = denoise(policy, cache, x0.to(device), k_star, xi.to(device), sigmas, a)
