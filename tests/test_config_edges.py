@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_learner import run_after_reward  # noqa: F401 - a fixture: synthetic stores + reward
 
 from wamrl import paths
 from wamrl.config import ConfigError, coerce_strings, load_config, parse_overrides
@@ -106,7 +105,7 @@ def test_task_selections_inside_their_suites_load() -> None:
     assert cfg["eval"]["tasks"] == [0, 9]
 
 
-def test_world_model_epochs_zero_runs_the_stage_and_says_so(run_after_reward) -> None:  # noqa: F811
+def test_world_model_epochs_zero_runs_the_stage_and_says_so(run_after_reward) -> None:
     import stages.world_model
     from wamrl.artifact import load_tensors
 
@@ -121,7 +120,7 @@ def test_world_model_epochs_zero_runs_the_stage_and_says_so(run_after_reward) ->
     assert lora and all(torch.equal(v, before[k]) for k, v in lora.items())
 
 
-def test_actor_metrics_say_when_adam_starts_from_zero(run_after_reward, tmp_path: Path) -> None:  # noqa: F811
+def test_actor_metrics_say_when_adam_starts_from_zero(run_after_reward, tmp_path: Path) -> None:
     """Iteration 2 restores iteration 1's Adam state; without it, metrics say
     optimizer_reset instead of a silent reset."""
     import stages.actor

@@ -20,14 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import ONE_LAYER_TINY, default_cfg, make_tiny_policy
 from wamrl import distributed, ppo, training
 from wamrl.master import MasterWeightOptimizer
-from wamrl.policy.tiny import TinyConfig, TinyWAM
 
-ROOT = Path(__file__).resolve().parents[1]
 N = 9  # kept steps: minibatches of 4, 4, 1 (the last one leaves rank 1 empty)
 RTOL, ATOL = 1e-5, 1e-6  # the weights
 KL_ATOL = 5e-6  # the KLs (0.005 to 0.8 here): sums of squares of small differences of mu
@@ -43,8 +41,7 @@ EPS = 1e-6
 
 
 def _cfg(**actor: Any) -> dict[str, Any]:
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    cfg["device"] = "cpu"
+    cfg = default_cfg()
     # Synthetic chains: the ratio's denominator is the learner's own log pi (ratio 1 at
     # first). grad_clip 0.5 so that clipping acts on the all-reduced gradient.
     cfg["actor"].update(
@@ -59,15 +56,6 @@ def _cfg(**actor: Any) -> dict[str, Any]:
     )
     cfg["actor"].update(actor)
     return cfg
-
-
-def _policy() -> TinyWAM:
-    torch.manual_seed(0)
-    return TinyWAM(
-        TinyConfig(
-            video_dim=32, action_dim=32, layers=1, heads=2, head_dim=16, ffn_mult=1, text_max_len=4
-        )
-    )
 
 
 @functools.cache
@@ -92,7 +80,7 @@ def _data(n: int = N) -> ppo.ActorData:
         noise_a=0.5,
         shift=5.0,
     )
-    lp = ppo.learner_pass(_policy(), data, n, "cpu")
+    lp = ppo.learner_pass(make_tiny_policy(config=ONE_LAYER_TINY), data, n, "cpu")
     eps = rng.standard_normal(data.x_k.shape).astype(np.float32)
     data.x_next = lp.mu + lp.std[:, None, None] * eps
     return data
@@ -101,7 +89,7 @@ def _data(n: int = N) -> ppo.ActorData:
 def _update(cfg: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """actor_update on a fresh tiny policy (with iteration 0's copy as the reference),
     through the stage's optimizer wrapper; in whatever process group is current."""
-    policy = _policy()
+    policy = make_tiny_policy(config=ONE_LAYER_TINY)
     ref = copy.deepcopy(policy)
     params = policy.parameter_groups()["actor"]
     ids = {id(p) for p in params}
@@ -128,7 +116,7 @@ def _patch_stage_inputs(setattr_: Any) -> None:
     import wamrl.policy.text
 
     data = _data()
-    setattr_(wamrl.policy, "load_policy", lambda *a, **k: _policy())
+    setattr_(wamrl.policy, "load_policy", lambda *a, **k: make_tiny_policy(config=ONE_LAYER_TINY))
     setattr_(wamrl.policy.text, "load_contexts", lambda *a: (data.context, data.context_mask))
     setattr_(stages.actor, "load_actor_data", lambda *a: data)
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 import zarr
 
 from stages.demos import attempts
-from wamrl.config import load_config
+from tests.helpers import micro_cfg
 from wamrl.contract import CHUNK_LEN
 from wamrl.demos import (
     Demo,
@@ -292,8 +290,7 @@ def test_dart_noise_is_executed_but_not_recorded() -> None:
 
 
 def test_demo_attempts_start_at_first_init_state_and_split_over_workers() -> None:
-    cfg = load_config(
-        [Path(__file__).resolve().parent / "micro.yaml"],
+    cfg = micro_cfg(
         {"demos.tasks": [0, 1], "demos.first_init_state": 10, "demos.init_states": 3,
          "demos.workers": 2},
     )  # fmt: skip

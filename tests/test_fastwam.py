@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests import helpers
 from wamrl.config import CONFIG_DIR, ConfigError, load_config
 from wamrl.policy.base import Obs
 
@@ -165,7 +166,8 @@ def small_vae(ns, seed: int = 0) -> nn.Module:
     return vae
 
 
-def small_cfg(tmp_path: Path | None = None, **kw):
+def fastwam_cfg(tmp_path: Path | None = None, **kw):
+    """The backend's config at the reduced ARCH in float32; with tmp_path, its files there."""
     from wamrl.policy.fastwam import FastWAMArch, FastWAMConfig
 
     base = dict(checkpoint="unused.pt", vae="unused.safetensors", dtype="float32", lora_rank=4)
@@ -181,7 +183,9 @@ def official_model(ns, seed: int = 0, imagine_frames: int = 3):
     from wamrl.policy.fastwam import build_official
 
     torch.manual_seed(seed)
-    model = build_official(small_cfg(imagine_latent_frames=imagine_frames), vae=small_vae(ns, seed))
+    model = build_official(
+        fastwam_cfg(imagine_latent_frames=imagine_frames), vae=small_vae(ns, seed)
+    )
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(("self_attn.q.weight", "self_attn.k.weight")):
@@ -193,17 +197,12 @@ def official_model(ns, seed: int = 0, imagine_frames: int = 3):
 def wrap(model, **kw):
     from wamrl.policy.fastwam import FastWAMPolicy
 
-    return FastWAMPolicy(model, small_cfg(**kw)).eval()
+    return FastWAMPolicy(model, fastwam_cfg(**kw)).eval()
 
 
 def make_obs(b: int = 1, seed: int = 0) -> Obs:
-    g = torch.Generator().manual_seed(seed)
-    return Obs(
-        image=torch.rand(b, 3, 224, 448, generator=g) * 2 - 1,
-        proprio=torch.rand(b, 8, generator=g) * 2 - 1,
-        context=torch.randn(b, L_CTX, ARCH["text_dim"], generator=g),
-        context_mask=torch.ones(b, L_CTX, dtype=torch.bool),
-    )
+    """Random observations at this model's context shape, every token real."""
+    return helpers.make_obs(seed, b, ctx_len=L_CTX, text_dim=ARCH["text_dim"], row0_len=None)
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +409,7 @@ def test_release_load_save_roundtrip_and_mismatch_named(ns, tmp_path, monkeypatc
     monkeypatch.setattr(fw, "_new_vae", lambda cfg: small_vae(ns, 0))
     ref_model = official_model(ns, seed=0)
     _write_release(ns, ref_model, tmp_path)
-    pol = fw.from_release(small_cfg(tmp_path))
+    pol = fw.from_release(fastwam_cfg(tmp_path))
     obs = make_obs(seed=10)
     x = torch.randn(1, 32, 7)
     s = torch.tensor([0.5])

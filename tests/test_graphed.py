@@ -5,23 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import make_obs, make_tiny_policy
 from wamrl.graphed import GraphedSampler, draw_noise
 from wamrl.policy.base import Obs
 from wamrl.policy.tiny import TinyConfig, TinyWAM
 from wamrl.sampler import sample_chunk
 
+# Two layers at the default text dims: a 384-wide context (every row's 5 tokens real).
+CFG = TinyConfig(video_dim=64, action_dim=32, layers=2, heads=2, head_dim=16)
+
 
 def _policy_and_obs(batch: int) -> tuple[TinyWAM, Obs]:
-    torch.manual_seed(0)
-    policy = TinyWAM(TinyConfig(video_dim=64, action_dim=32, layers=2, heads=2, head_dim=16)).eval()
-    g = torch.Generator().manual_seed(1)
-    obs = Obs(
-        torch.rand(batch, 3, 224, 448, generator=g) * 2 - 1,
-        torch.rand(batch, 8, generator=g) * 2 - 1,
-        torch.randn(batch, 5, 384, generator=g),
-        torch.tensor([[True] * 5] * batch),
-    )
-    return policy, obs
+    policy = make_tiny_policy(config=CFG).eval()
+    return policy, make_obs(1, batch, ctx_len=5, text_dim=CFG.text_dim, row0_len=None)
 
 
 @pytest.mark.parametrize("a", [0.0, 0.5])

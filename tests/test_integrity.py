@@ -11,10 +11,10 @@ import pytest
 import torch
 import zarr
 from rich.console import Console
-from test_learner import run_after_reward  # noqa: F401 - a fixture: synthetic stores + reward
-from test_store import REWARD_ATTRS, _chunk_file, _reward_arrays, make_episodes, write_store
 from zarr.codecs import Crc32cCodec
 
+from tests.helpers import micro_cfg
+from tests.stores import REWARD_ATTRS, chunk_file, make_episodes, reward_arrays, write_store
 from wamrl import store as store_mod
 from wamrl.inspect import inspect_store
 from wamrl.store import (
@@ -42,7 +42,7 @@ def _console() -> tuple[Console, io.StringIO]:
 @pytest.fixture
 def shard(tmp_path: Path) -> Path:
     path = write_store(tmp_path / "shard_000.zarr", make_episodes())
-    write_reward_group(path, _reward_arrays(3, 0), np.ones(3, bool), REWARD_ATTRS)
+    write_reward_group(path, reward_arrays(3, 0), np.ones(3, bool), REWARD_ATTRS)
     return path
 
 
@@ -70,7 +70,7 @@ def test_every_array_ends_with_crc32c(shard: Path) -> None:
 def test_a_flipped_byte_in_any_chunk_is_caught_by_name(
     shard: Path, array: str, coords: tuple[int, ...]
 ) -> None:
-    f = _chunk_file(shard, array, coords)
+    f = chunk_file(shard, array, coords)
     size = f.stat().st_size
     at = max(16, size // 2 - 8)  # past blosc's 16-byte header, before the 4 crc bytes
     _flip(f, at=at, n=min(16, size - 4 - at))
@@ -86,7 +86,7 @@ def test_a_flipped_byte_in_any_chunk_is_caught_by_name(
 
 def test_a_read_after_validation_still_names_store_and_array(shard: Path) -> None:
     root = open_store(shard)  # validated, then the bytes change under the reader
-    _flip(_chunk_file(shard, "step/chain", (0, 0, 0, 0, 0)), at=40)
+    _flip(chunk_file(shard, "step/chain", (0, 0, 0, 0, 0)), at=40)
     with pytest.raises(StoreError, match=r"shard_000.zarr: array step/chain: unreadable.*checksum"):
         load_steps(root, ["step/chain"])
 
@@ -106,7 +106,7 @@ def test_every_reading_stage_refuses_a_corrupt_chunk_naming_store_and_array(
     from wamrl.store import open_rollout
     from wamrl.world_model import list_windows
 
-    _flip(_chunk_file(shard, array, coords), at=at, n=1)
+    _flip(chunk_file(shard, array, coords), at=at, n=1)
     cfg = load_config()
     ctx, mask = torch.zeros(40, 4, 8), torch.ones(40, 4, dtype=torch.bool)
     readers = {
@@ -146,11 +146,11 @@ def _policy_dir(tmp_path: Path) -> Path:
 
     from wamrl.artifact import checkpoint_hashes
     from wamrl.atomic import write_json
-    from wamrl.config import load_config, resolve_path
+    from wamrl.config import resolve_path
     from wamrl.policy import build_policy
     from wamrl.policy.text import save_contexts
 
-    cfg = load_config([Path(__file__).parent / "micro.yaml"])
+    cfg = micro_cfg()
     torch.manual_seed(0)
     d = tmp_path / "policy"
     build_policy(cfg).save(d)
@@ -312,7 +312,7 @@ def test_verify_run_finds_each_damaged_artifact(tmp_path: Path) -> None:
     assert CliRunner().invoke(app, ["verify", str(run)]).exit_code == 0
 
     _flip_tensor_data(paths.policy_dir(run, 0) / "model.safetensors")
-    _flip(_chunk_file(shard, "step/image", (1, 0, 0, 0, 0)), at=5000)
+    _flip(chunk_file(shard, "step/image", (1, 0, 0, 0, 0)), at=5000)
     paths.reward_done(run, 1).write_text('{"groups_kept": ')
     f = paths.actor_dir(run, 1) / "actor.safetensors"
     f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
@@ -332,7 +332,7 @@ def test_verify_run_finds_each_damaged_artifact(tmp_path: Path) -> None:
     assert out.exit_code == 1 and "5/9 artifacts intact" in out.output
 
 
-def test_merge_refuses_a_changed_actor_or_lora_tensor(run_after_reward) -> None:  # noqa: F811
+def test_merge_refuses_a_changed_actor_or_lora_tensor(run_after_reward) -> None:
     """actor/ and world_model/ record their files' sha256 (checkpoint.json): merge checks
     them, so a flipped byte is refused, not laundered into a new policy's recorded hash."""
     import shutil

@@ -3,6 +3,8 @@
 The store is written with store.ShardWriter from chains sampled with the iteration-0
 policy (so log pi_old is the sampler's own), random images and random "rendered" frames.
 Then reward -> actor -> world_model -> merge run exactly as the Snakemake rules call them.
+The run up to the reward stage is the run_after_reward fixture (tests/conftest.py, built by
+tests/helpers.py's make_run), which other test files share.
 """
 
 from __future__ import annotations
@@ -16,165 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 import zarr
 from safetensors.torch import load_file
 
+from tests.helpers import VIDEO_FRAMES
 from wamrl import paths, ppo, store, training
 from wamrl import world_model as wm
-from wamrl.atomic import sha256_file, write_json
-from wamrl.policy.base import Obs
+from wamrl.atomic import sha256_file
 
 sampler = pytest.importorskip("wamrl.sampler")
 policy_pkg = pytest.importorskip("wamrl.policy")
 text = pytest.importorskip("wamrl.policy.text")
-
-ROOT = Path(__file__).resolve().parents[1]
-LENGTHS = [3, 2, 3, 1]  # macro-steps of the 4 episodes of each shard (one group of G = 4)
-SUCCESS = [True, False, True, False]
-VIDEO_FRAMES = 37  # >= 33: windows at t0 = 0..4 for the video-SFT episode
-TASK = 3
-
-
-def small_cfg() -> dict[str, Any]:
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    cfg["device"] = "cpu"
-    # A fresh model smaller than the default (the shipped base's dims): lr 1e-4 Adam steps
-    # in these tests are sized for it.
-    cfg["policy"]["tiny"].update(video_dim=128, action_dim=64, layers=4, heads=2)
-    cfg["sampler"]["K"] = 4
-    cfg["rollout"]["workers"] = 2
-    cfg["rollout"]["group_size"] = 4
-    cfg["reward"]["imagine_steps"] = 2
-    cfg["actor"]["minibatch"] = 8
-    cfg["actor"]["target_kl"] = None  # lr 1e-4 steps below would pass it; tested on its own
-    cfg["world_model"]["batch"] = 2
-    cfg["world_model"]["windows_per_episode"] = 2
-    return cfg
-
-
-def to_model(images: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() * (2 / 255) - 1
-
-
-def sample_chains(policy, obs: Obs, K: int, a: float, shift: float, gen: torch.Generator):
-    """Mixed ODE/SDE chains with one SDE step k* per sample (docs/design.md "The sampler")."""
-    B = obs.batch_size
-    sig = sampler.sigma_schedule(K, shift)
-    k_star = torch.randint(1, K, (B,), generator=gen)
-    x = torch.randn(B, 32, 7, generator=gen)
-    chain, logp = [x], torch.zeros(B)
-    with torch.no_grad():
-        cache = policy.prefill(obs)
-        for k in range(K):
-            s, sn = sig[k].expand(B), sig[k + 1].expand(B)
-            v = policy.velocity(cache, x, s)
-            ode = x + (sn - s)[:, None, None] * v
-            if (k_star == k).any():
-                mu, std = sampler.sde_mean_std(x, v, s, sn, a)
-                sde = mu + std * torch.randn(x.shape, generator=gen)
-                lp = sampler.gaussian_log_prob(sde, mu, std)
-                stoch = (k_star == k)[:, None, None]
-                x = torch.where(stoch, sde, ode)
-                logp = torch.where(k_star == k, lp, logp)
-            else:
-                x = ode
-            chain.append(x)
-    return torch.stack(chain, 1).numpy(), k_star.numpy().astype(np.int32), logp.numpy()
-
-
-def make_run(tmp: Path, cfg: dict[str, Any]) -> Path:
-    """iter_000/policy (as init makes it) + iter_001/rollouts/shard_{0,1}.zarr."""
-    run = tmp / "run"
-    pdir = paths.policy_dir(run, 0)
-    torch.manual_seed(0)
-    policy = policy_pkg.build_policy(cfg)
-    policy.save(pdir)
-    from wamrl.envs.tasks import load_tasks
-
-    tasks = load_tasks()
-    ctx, mask = text.encode_texts(
-        [t.language for t in tasks], cfg["policy"]["tiny"]["text_max_len"]
-    )
-    text.save_contexts(pdir / "context.safetensors", [t.name for t in tasks], ctx, mask)
-    stats = ROOT / cfg["policy"]["stats"]  # merge only copies it: any stats file will do
-    (pdir / "stats.json").write_text(
-        stats.read_text() if stats.exists() else '{"state": {}, "action": {}}'
-    )
-    write_json(
-        pdir / "checkpoint.json",
-        {"sha256": sha256_file(pdir / "model.safetensors"), "iteration": 0, "parents": {}},
-    )
-    context, mask = text.load_contexts(pdir / "context.safetensors")
-    K, a, shift = cfg["sampler"]["K"], cfg["sampler"]["noise_a"], cfg["sampler"]["shift"]
-    rng = np.random.default_rng(0)
-    gen = torch.Generator().manual_seed(0)
-    for w in range(2):
-        attrs = {
-            "iteration": 1,
-            "shard": w,
-            "G": 4,
-            "a": a,
-            "policy_checkpoint": str(pdir),
-            "policy_sha256": sha256_file(pdir / "model.safetensors"),
-            "config": cfg,
-        }
-        with store.ShardWriter(
-            paths.shard_path(run, 1, w), 4, max(LENGTHS), K, VIDEO_FRAMES, attrs
-        ) as sw:
-            for i, (t, succ) in enumerate(zip(LENGTHS, SUCCESS, strict=True)):
-                img = rng.integers(0, 256, (t, 224, 448, 3), dtype=np.uint8)
-                prop = rng.uniform(-1, 1, (t, 8)).astype(np.float32)
-                obs = Obs(
-                    to_model(img),
-                    torch.from_numpy(prop),
-                    context[TASK].expand(t, *context.shape[1:]),
-                    mask[TASK].expand(t, *mask.shape[1:]),
-                )
-                chain, ks, lp = sample_chains(policy, obs, K, a, shift, gen)
-                r_task = np.zeros(t, np.float32)
-                r_task[-1] = float(succ)
-                done = np.arange(t) == t - 1
-                video = i == 0  # one successful video-SFT episode per shard
-                sw.write_episode(
-                    i,
-                    store.EpisodeData(
-                        task=TASK,
-                        init_state=0,
-                        group=0,
-                        success=succ,
-                        video_sft=video,
-                        env_crashed=False,
-                        length=t,
-                        image=img,
-                        proprio=prop,
-                        chain=chain,
-                        k_star=ks,
-                        logp_old=lp,
-                        r_task=r_task,
-                        done=done,
-                        frames=rng.integers(0, 256, (t, 2, 224, 448, 3), dtype=np.uint8),
-                        video_frames=rng.integers(
-                            0, 256, (VIDEO_FRAMES, 224, 448, 3), dtype=np.uint8
-                        )
-                        if video
-                        else None,
-                        video_proprio=rng.uniform(-1, 1, (VIDEO_FRAMES, 8)).astype(np.float32)
-                        if video
-                        else None,
-                    ),
-                )
-    return run
-
-
-@pytest.fixture(scope="module")
-def run_after_reward(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
-    import stages.reward
-
-    cfg = small_cfg()
-    run = make_run(tmp_path_factory.mktemp("learner"), cfg)
-    stages.reward.main(cfg, run, 1)
-    return run, cfg
 
 
 def _reward_arrays(run: Path) -> dict[str, np.ndarray]:

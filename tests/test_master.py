@@ -10,15 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.helpers import ONE_LAYER_TINY, default_cfg, make_tiny_policy
 from wamrl import paths, ppo, training
 from wamrl.master import MasterWeightOptimizer
-from wamrl.policy.tiny import TinyConfig, TinyWAM
+from wamrl.policy.tiny import TinyWAM
 
-ROOT = Path(__file__).resolve().parents[1]
 BF16_ULP_AT_002 = 2.0**-13  # bf16 keeps 8 significant bits: 0.02 lies in [2**-6, 2**-5)
 
 
@@ -131,8 +130,7 @@ def test_optimizer_state_and_masters_round_trip() -> None:
 
 
 def _cfg(epochs: int, n: int) -> dict[str, Any]:
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    cfg["device"] = "cpu"
+    cfg = default_cfg()
     cfg["rollout"]["workers"] = 1
     # bf16 weights need autocast for the mixed-dtype matmuls; log pi_old is the learner's
     # own (synthetic chains below), so the ratio starts at 1. One minibatch = one step.
@@ -141,11 +139,7 @@ def _cfg(epochs: int, n: int) -> dict[str, Any]:
 
 
 def _policy(actor_dtype: torch.dtype) -> TinyWAM:
-    torch.manual_seed(0)
-    cfg = TinyConfig(
-        video_dim=32, action_dim=32, layers=1, heads=2, head_dim=16, ffn_mult=1, text_max_len=4
-    )
-    policy = TinyWAM(cfg)
+    policy = make_tiny_policy(config=ONE_LAYER_TINY)
     with torch.no_grad():
         for p in policy.parameter_groups()["actor"]:
             p.data = p.data.to(actor_dtype)  # as the fastwam backend stores them

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_store import TV, K, T, _attrs, make_episode
 
+from tests.stores import TV, K, T, make_episode, store_attrs
 from wamrl import paths
 from wamrl.config import load_config
 from wamrl.envs.tasks import tasks_in_suites
@@ -39,7 +39,7 @@ def _write(path: Path, episodes: list[tuple[int, bool, bool]]) -> None:
         ep = make_episode(rng, 0 if crashed else 1, success and not crashed, group=i)
         ep.task, ep.env_crashed = task, crashed
         eps.append(ep)
-    with ShardWriter(path, len(eps), T, K, TV, _attrs()) as w:
+    with ShardWriter(path, len(eps), T, K, TV, store_attrs()) as w:
         for i, ep in enumerate(eps):
             w.write_episode(i, ep)
 

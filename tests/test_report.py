@@ -279,25 +279,11 @@ def test_tb_failure_is_a_warning(tmp_path: Path, monkeypatch) -> None:
 
 
 # --------------------------------------------------------------------------- stores + stages
+# run_after_reward (tests/conftest.py): the learner tests' synthetic run, after the reward stage.
 
 
-@pytest.fixture(scope="module")
-def learner_run(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
-    """The learner tests' synthetic run (iter_000/policy + two stores), after the reward
-    stage ran for real."""
-    pytest.importorskip("wamrl.policy")
-    from test_learner import make_run, small_cfg
-
-    import stages.reward
-
-    cfg = small_cfg()
-    run = make_run(tmp_path_factory.mktemp("report_learner"), cfg)
-    stages.reward.main(cfg, run, 1)
-    return run, cfg
-
-
-def test_reward_stage_writes_tb_scalars(learner_run) -> None:
-    run, _ = learner_run
+def test_reward_stage_writes_tb_scalars(run_after_reward) -> None:
+    run, _ = run_after_reward
     done = _load(run / "iter_001" / "reward.done")
     got = _read_tb(run / "tb" / "reward")
     assert got["rollout/success"] == [(1, pytest.approx(done["success_rate"]))]
@@ -305,12 +291,12 @@ def test_reward_stage_writes_tb_scalars(learner_run) -> None:
     assert got["reward/rec_advantage_share"] == [(1, pytest.approx(done["rec_advantage_share"]))]
 
 
-def test_stage_tb_failure_does_not_fail_the_stage(learner_run, monkeypatch) -> None:
+def test_stage_tb_failure_does_not_fail_the_stage(run_after_reward, monkeypatch) -> None:
     import torch.utils.tensorboard
 
     import stages.reward
 
-    run, cfg = learner_run
+    run, cfg = run_after_reward
     before = _load(run / "iter_001" / "reward.done")
 
     def broken(*a: Any, **k: Any) -> None:
@@ -328,10 +314,10 @@ def test_stage_tb_failure_does_not_fail_the_stage(learner_run, monkeypatch) -> N
     assert after["success_rate"] == before["success_rate"]
 
 
-def test_report_with_stores_cuts_episode_videos(learner_run, tmp_path: Path) -> None:
+def test_report_with_stores_cuts_episode_videos(run_after_reward, tmp_path: Path) -> None:
     import imageio.v2 as imageio
 
-    run, _ = learner_run
+    run, _ = run_after_reward
     index = build_report(run, tmp_path / "rep", videos_per_kind=1)
     data = _load(tmp_path / "rep" / "report.json")
     row = next(r for r in data["iterations"] if r["iteration"] == 1)

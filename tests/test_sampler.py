@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from tests.helpers import make_obs, make_tiny_policy
 from wamrl.contract import ACTION_DIM, CHUNK_LEN
-from wamrl.policy.base import Obs
-from wamrl.policy.tiny import TinyConfig, TinyWAM
 from wamrl.sampler import (
     gaussian_log_prob,
     ode_step,
@@ -227,39 +226,13 @@ def test_sde_needs_a_valid_k_star() -> None:
 
 
 # ----------------------------------------------------------------------------- the real tiny model
-
-
-def tiny_policy(seed: int = 0) -> TinyWAM:
-    torch.manual_seed(seed)
-    cfg = TinyConfig(
-        video_dim=32, action_dim=32, layers=2, heads=2, head_dim=16, latent_channels=8,
-        text_dim=48, lora_rank=4,
-    )  # fmt: skip
-    model = TinyWAM(cfg).eval()
-    with torch.no_grad():  # make the zero-initialised parts non-trivial
-        model.action_pos.normal_(0.0, 0.1)
-        for n, p in model.named_parameters():
-            if n.endswith("lora_b"):
-                p.normal_(0.0, 0.05)
-    return model
-
-
-def tiny_obs(model: TinyWAM, b: int = 3, seed: int = 0) -> Obs:
-    g = torch.Generator().manual_seed(seed)
-    L, dc = 6, model.cfg.text_dim  # the context dim is the model's text_dim
-    mask = torch.ones(b, L, dtype=torch.bool)
-    mask[0, 4:] = False
-    return Obs(
-        image=torch.rand(b, 3, 224, 448, generator=g) * 2 - 1,
-        proprio=torch.rand(b, 8, generator=g) * 2 - 1,
-        context=torch.randn(b, L, dc, generator=g),
-        context_mask=mask,
-    )
+# make_tiny_policy(perturb="signal"): LoRA B and action positions drawn, the attention left as
+# initialised (conftest's tiny_policy also sharpens it).
 
 
 def test_a_zero_is_the_pure_ode_sampler() -> None:
-    model, K = tiny_policy(), 6
-    obs = tiny_obs(model)
+    model, K = make_tiny_policy(perturb="signal").eval(), 6
+    obs = make_obs(b=3, ctx_len=6, row0_len=4)
     x0 = torch.randn(3, CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         cache = model.prefill(obs)
@@ -281,8 +254,8 @@ def test_a_zero_is_the_pure_ode_sampler() -> None:
 
 
 def test_mixed_sampler_chain_and_logp_with_the_tiny_model() -> None:
-    model, K, a, b = tiny_policy(), 8, 0.5, 4
-    obs = tiny_obs(model, b)
+    model, K, a, b = make_tiny_policy(perturb="signal").eval(), 8, 0.5, 4
+    obs = make_obs(b=b, ctx_len=6, row0_len=4)
     with torch.no_grad():
         cache = model.prefill(obs)
         x0 = torch.randn(b, CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(1))

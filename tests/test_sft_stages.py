@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
 
+from tests.helpers import micro_cfg
 from wamrl import paths
-from wamrl.config import load_config
 
 pytestmark = pytest.mark.libero
-ROOT = Path(__file__).resolve().parents[1]
 TASK = 10  # libero_object 0: pick up the alphabet soup and place it in the basket
 
 
@@ -29,8 +27,7 @@ def sft_run(tmp_path_factory):
     import stages.init
     import stages.sft
 
-    cfg = load_config(
-        [ROOT / "tests" / "micro.yaml"],
+    cfg = micro_cfg(
         {
             "demos.workers": 1,
             "demos.init_states": 1,

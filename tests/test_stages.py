@@ -17,16 +17,15 @@ import pytest
 import torch
 import zarr
 
+from tests.helpers import micro_cfg
 from wamrl import paths
 from wamrl.atomic import sha256_file
-from wamrl.config import load_config
 
 pytestmark = pytest.mark.libero
-ROOT = Path(__file__).resolve().parents[1]
-MICRO = ROOT / "tests" / "micro.yaml"
 
 
-def micro_cfg(**overrides):
+def stage_cfg(**overrides):
+    """tests/micro.yaml at one worker's shard: one group of G = 2 episodes x 3 macro-steps."""
     base = {
         "rollout.workers": 1,
         "rollout.groups": 1,
@@ -36,7 +35,7 @@ def micro_cfg(**overrides):
         "env.max_macro_steps": 3,
         "env.mujoco_gl": os.environ.get("MUJOCO_GL", "egl"),
     }
-    return load_config([MICRO], {**base, **overrides})
+    return micro_cfg({**base, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def rollout_run(tmp_path_factory):
     import stages.init
     import stages.rollout
 
-    cfg = micro_cfg()
+    cfg = stage_cfg()
     run = tmp_path_factory.mktemp("stages")
     stages.init.main(cfg, run)
     stages.rollout.main(cfg, run, iteration=1, worker=0)
@@ -137,7 +136,7 @@ def test_eval_two_tasks_writes_contract_json(rollout_run):
     import stages.eval
 
     run, _ = rollout_run
-    cfg = micro_cfg(**{"eval.tasks": [0, 10], "eval.envs": 2, "eval.videos": 1})
+    cfg = stage_cfg(**{"eval.tasks": [0, 10], "eval.envs": 2, "eval.videos": 1})
     stages.eval.main(cfg, run, iteration=0)
     report = json.loads(paths.eval_json(run, 0).read_text())
     assert set(report) == {

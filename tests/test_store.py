@@ -1,4 +1,5 @@
-"""Episode store (wamrl.store) and `wamrl inspect` on synthetic episodes (no LIBERO)."""
+"""Episode store (wamrl.store) and `wamrl inspect` on synthetic episodes (no LIBERO; built
+by tests/stores.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ import pytest
 import zarr
 from rich.console import Console
 
+from tests.stores import (
+    LENGTHS,
+    REWARD_ATTRS,
+    TV,
+    K,
+    T,
+    chunk_file,
+    make_episode,
+    make_episodes,
+    reward_arrays,
+    store_attrs,
+    write_store,
+)
 from wamrl.inspect import inspect_store
 from wamrl.store import (
     IMAGE_T_CHUNK,
@@ -28,90 +42,6 @@ from wamrl.store import (
 )
 from wamrl.store_check import store_sizes, validate_store
 
-K, T, TV = 4, 6, 13
-LENGTHS = (6, 3, 1)
-
-
-def _attrs() -> dict:
-    return {
-        "iteration": 1,
-        "shard": 0,
-        "K": K,
-        "G": 2,
-        "a": 0.5,
-        "policy_checkpoint": "iter_000/policy",
-        "policy_sha256": "ab" * 32,
-        "config": {"sampler": {"K": K, "noise_a": 0.5}},
-    }
-
-
-def image_like(rng: np.random.Generator, n: int, shift0: int = 0) -> np.ndarray:
-    """Flat-shaded scene (wall, table with a tiled texture), moving objects, a little
-    render noise: compresses roughly like a LIBERO render, unlike white noise."""
-    tile = rng.integers(0, 24, size=(16, 16, 3))
-    out = np.empty((n, 224, 448, 3), np.uint8)
-    for t in range(n):
-        s = shift0 + 3 * t
-        img = np.empty((224, 448, 3), np.int64)
-        img[:90] = (180, 185, 190)  # wall
-        img[90:] = np.tile(tile, (9, 28, 1))[: 224 - 90] + (120, 90, 60)  # wooden table
-        img[100:140, 40 + s % 150 : 80 + s % 150] = (200, 30, 30)  # a moving block
-        img[:, 224:] = img[:, :224][::-1] // 2 + 40  # the wrist view half
-        img[90:] += rng.integers(-2, 3, size=(224 - 90, 448, 3))  # shading noise on the table
-        out[t] = np.clip(img, 0, 255).astype(np.uint8)
-    return out
-
-
-def make_episode(
-    rng: np.random.Generator,
-    length: int,
-    success: bool,
-    group: int = 0,
-    video: int = 0,
-    crashed: bool = False,
-) -> EpisodeData:
-    r_task = np.zeros(length, np.float32)
-    done = np.zeros(length, bool)
-    if length:
-        done[-1] = True
-        if success:
-            r_task[-1] = 1.0
-    return EpisodeData(
-        task=3 + group,
-        init_state=7 * group,
-        group=group,
-        success=success,
-        video_sft=video > 0,
-        env_crashed=crashed,
-        length=length,
-        image=image_like(rng, length),
-        proprio=rng.standard_normal((length, 8)).astype(np.float32),
-        chain=rng.standard_normal((length, K + 1, 32, 7)).astype(np.float32),
-        k_star=rng.integers(1, K, size=length).astype(np.int32),
-        logp_old=rng.standard_normal(length).astype(np.float32) * 10,
-        frames=np.stack([image_like(rng, length, 12), image_like(rng, length, 24)], axis=1),
-        r_task=r_task,
-        done=done,
-        video_frames=image_like(rng, video) if video else None,
-        video_proprio=rng.standard_normal((video, 8)).astype(np.float32) if video else None,
-    )
-
-
-def make_episodes(seed: int = 0) -> list[EpisodeData]:
-    rng = np.random.default_rng(seed)
-    return [
-        make_episode(rng, LENGTHS[0], success=True, group=0),
-        make_episode(rng, LENGTHS[1], success=False, group=0, video=7),
-        make_episode(rng, LENGTHS[2], success=False, group=1, crashed=True),
-    ]
-
-
-def write_store(path: Path, episodes: list[EpisodeData]) -> Path:
-    with ShardWriter(path, len(episodes), T, K, TV, _attrs()) as w:
-        for i, ep in enumerate(episodes):
-            w.write_episode(i, ep)
-    return path
-
 
 @pytest.fixture
 def store(tmp_path: Path) -> tuple[Path, list[EpisodeData]]:
@@ -122,11 +52,6 @@ def store(tmp_path: Path) -> tuple[Path, list[EpisodeData]]:
 def _console() -> tuple[Console, io.StringIO]:
     buf = io.StringIO()
     return Console(file=buf, width=200, color_system=None), buf
-
-
-def _chunk_file(path: Path, array: str, coords: tuple[int, ...]) -> Path:
-    arr = zarr.open_array(str(path / array), mode="r")
-    return path / array / arr.metadata.encode_chunk_key(coords)
 
 
 def test_constants_match_policy_interface() -> None:
@@ -155,7 +80,7 @@ def test_round_trip(store: tuple[Path, list[EpisodeData]]) -> None:
         assert str(arr.dtype) == spec.dtype
         assert arr.shape == spec.shape(E, T, K, TV)
     attrs = dict(root.attrs)
-    for key, value in _attrs().items():
+    for key, value in store_attrs().items():
         assert attrs[key] == value
     assert attrs["complete"] is True and attrs["schema_version"] == 1
 
@@ -213,7 +138,7 @@ def test_rewrite_replaces_existing_store(tmp_path: Path) -> None:
 
 def test_half_written_store_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "shard_000.zarr"
-    w = ShardWriter(path, 3, T, K, TV, _attrs())
+    w = ShardWriter(path, 3, T, K, TV, store_attrs())
     for i, ep in enumerate(make_episodes()):
         w.write_episode(i, ep)
     # The writer died before close(): only the hidden temp exists.
@@ -246,14 +171,14 @@ def test_writer_abort_leaves_nothing(tmp_path: Path) -> None:
     eps = make_episodes()
     with (
         pytest.raises(RuntimeError, match="env died"),
-        ShardWriter(path, 3, T, K, TV, _attrs()) as w,
+        ShardWriter(path, 3, T, K, TV, store_attrs()) as w,
     ):
         w.write_episode(0, eps[0])
         raise RuntimeError("env died")
     assert list(tmp_path.iterdir()) == []
     # An aborted rewrite keeps the old complete store untouched.
     write_store(path, eps)
-    with pytest.raises(RuntimeError), ShardWriter(path, 3, T, K, TV, _attrs()) as w:
+    with pytest.raises(RuntimeError), ShardWriter(path, 3, T, K, TV, store_attrs()) as w:
         raise RuntimeError("again")
     assert validate_store(path) == [] and sorted(p.name for p in tmp_path.iterdir()) == [
         "shard.zarr"
@@ -262,7 +187,7 @@ def test_writer_abort_leaves_nothing(tmp_path: Path) -> None:
 
 def test_writer_rejects_bad_input(tmp_path: Path) -> None:
     eps = make_episodes()
-    w = ShardWriter(tmp_path / "s.zarr", 3, T, K, TV, _attrs())
+    w = ShardWriter(tmp_path / "s.zarr", 3, T, K, TV, store_attrs())
     bad = make_episode(np.random.default_rng(0), 2, False)
     bad.chain = bad.chain[:, :K]  # K chain states instead of K + 1
     with pytest.raises(ValueError, match="chain"):
@@ -278,27 +203,27 @@ def test_writer_rejects_bad_input(tmp_path: Path) -> None:
             T,
             K,
             TV,
-            {k: v for k, v in _attrs().items() if k != "policy_sha256"},
+            {k: v for k, v in store_attrs().items() if k != "policy_sha256"},
         )
 
 
 def test_deleted_and_truncated_chunks_are_reported(store: tuple[Path, list[EpisodeData]]) -> None:
     path, _ = store
-    image_chunk = _chunk_file(path, "step/image", (0, 1, 0, 0, 0))  # episode 0, steps 4..5
+    image_chunk = chunk_file(path, "step/image", (0, 1, 0, 0, 0))  # episode 0, steps 4..5
     image_chunk.unlink()
     problems = validate_store(path)
     assert any("step/image: 1 chunk file(s) missing" in p for p in problems), problems
     with pytest.raises(StoreError, match="missing"):
         open_store(path)
 
-    small_chunk = _chunk_file(path, "episode/success", (2,))
+    small_chunk = chunk_file(path, "episode/success", (2,))
     small_chunk.unlink()
     assert any("episode/success: 1 chunk file(s) missing" in p for p in validate_store(path))
 
 
 def test_truncated_chunk_is_reported(store: tuple[Path, list[EpisodeData]]) -> None:
     path, _ = store
-    f = _chunk_file(path, "step/frames", (1, 0, 0, 0, 0, 0))
+    f = chunk_file(path, "step/frames", (1, 0, 0, 0, 0, 0))
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
     problems = validate_store(path)
@@ -355,23 +280,9 @@ def test_invalid_masks_are_caught(
     assert any(message in p for p in problems), problems
 
 
-def _reward_arrays(E: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal((E, T)).astype(np.float32) for n in REWARD_NAMES}
-
-
-REWARD_ATTRS = {
-    "beta": 0.1,
-    "gamma": 0.99,
-    "rec_mean": -0.02,
-    "rec_std": 0.01,
-    "world_model": "live",
-}
-
-
 def test_reward_group_rewrite(store: tuple[Path, list[EpisodeData]]) -> None:
     path, _ = store
-    arrays = _reward_arrays(3, 0)
+    arrays = reward_arrays(3, 0)
     kept = np.array([True, True, False])
     valid = open_store(path)["step/valid"][:]
 
@@ -405,7 +316,7 @@ def test_reward_group_rewrite(store: tuple[Path, list[EpisodeData]]) -> None:
     ]
 
     # A rerun with other values replaces the group whole.
-    other = _reward_arrays(3, 1)
+    other = reward_arrays(3, 1)
     write_reward_group(path, other, np.ones(3, bool), REWARD_ATTRS)
     np.testing.assert_array_equal(read()["advantage"], np.where(valid, other["advantage"], 0))
     # A crash mid-write leaves .reward.tmp-*: reported, then cleaned by the next run.
@@ -425,13 +336,13 @@ def test_reward_group_rewrite(store: tuple[Path, list[EpisodeData]]) -> None:
 
 def test_reward_group_checks(store: tuple[Path, list[EpisodeData]]) -> None:
     path, _ = store
-    bad = _reward_arrays(3, 0)
+    bad = reward_arrays(3, 0)
     bad["return"][0, 0] = np.nan  # valid step
     with pytest.raises(ValueError, match="reward/return: non-finite"):
         write_reward_group(path, bad, np.ones(3, bool), REWARD_ATTRS)
     with pytest.raises(ValueError, match="group_kept"):
-        write_reward_group(path, _reward_arrays(3, 0), np.ones(2, bool), REWARD_ATTRS)
-    write_reward_group(path, _reward_arrays(3, 0), np.ones(3, bool), REWARD_ATTRS)
+        write_reward_group(path, reward_arrays(3, 0), np.ones(2, bool), REWARD_ATTRS)
+    write_reward_group(path, reward_arrays(3, 0), np.ones(3, bool), REWARD_ATTRS)
     zarr.open_array(str(path / "reward/group_kept"), mode="r+")[1] = False  # group 0 split
     assert any("group_kept differs within group 0" in p for p in validate_store(path))
     zarr.open_array(str(path / "reward/advantage"), mode="r+")[0, 0] = np.inf
@@ -474,7 +385,7 @@ def test_compression_and_speed(tmp_path: Path) -> None:
     for ep in eps:
         ep.done[-1] = True
     t0 = time.perf_counter()
-    with ShardWriter(tmp_path / "s.zarr", E, n, K, TV, _attrs()) as w:
+    with ShardWriter(tmp_path / "s.zarr", E, n, K, TV, store_attrs()) as w:
         for i, ep in enumerate(eps):
             w.write_episode(i, ep)
     dt = time.perf_counter() - t0

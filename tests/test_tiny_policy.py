@@ -14,48 +14,14 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tests.helpers import SMALL_TINY, make_obs, make_tiny_policy
 from wamrl.contract import ACTION_DIM, CHUNK_LEN
 from wamrl.policy import load_policy
 from wamrl.policy.base import Obs
 from wamrl.policy.lora import LoRALinear
-from wamrl.policy.tiny import TOKENS_PER_FRAME, TinyConfig, TinyWAM, fastwam_mask
+from wamrl.policy.tiny import TOKENS_PER_FRAME, TinyWAM, fastwam_mask
 
-B = 2
-CFG = TinyConfig(
-    video_dim=32, action_dim=32, layers=2, heads=2, head_dim=16, latent_channels=8,
-    text_dim=48, text_max_len=8, lora_rank=4,
-)  # fmt: skip
-
-
-def make_model(seed: int = 0, perturb: bool = True) -> TinyWAM:
-    """A small TinyWAM; `perturb` gives the zero-initialised LoRA B and action positions
-    random values and sharpens the attention (at init it is nearly uniform, which would let
-    errors in the cache hide below the tolerances), so that every path carries signal."""
-    torch.manual_seed(seed)
-    model = TinyWAM(CFG).eval()
-    if perturb:
-        with torch.no_grad():
-            model.action_pos.normal_(0.0, 0.1)
-            model.video_in.weight.mul_(3.0)
-            for n, p in model.named_parameters():
-                if n.endswith("lora_b"):
-                    p.normal_(0.0, 0.05)
-                if n.endswith(("qkv.weight", "qkv.base.weight")):
-                    p.mul_(3.0)
-    return model
-
-
-def make_obs(seed: int = 0, b: int = B) -> Obs:
-    g = torch.Generator().manual_seed(seed)
-    L = 5
-    mask = torch.ones(b, L, dtype=torch.bool)
-    mask[0, 3:] = False  # a shorter instruction in row 0
-    return Obs(
-        image=torch.rand(b, 3, 224, 448, generator=g) * 2 - 1,
-        proprio=torch.rand(b, 8, generator=g) * 2 - 1,
-        context=torch.randn(b, L, CFG.text_dim, generator=g),
-        context_mask=mask,
-    )
+B = 2  # the batch of make_obs and of conftest's tiny_obs
 
 
 def noisy_actions(seed: int = 0, b: int = B) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +43,15 @@ def joint(model: TinyWAM, obs: Obs, future: torch.Tensor | None, x, sigma_a, sig
 
 def future_latents(seed: int, frames: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, frames, CFG.latent_channels, 14, 28, generator=g)
+    return torch.randn(B, frames, SMALL_TINY.latent_channels, 14, 28, generator=g)
 
 
 # ----------------------------------------------------------------------------- cache and mask
 
 
 @torch.no_grad()
-def test_cached_action_path_equals_joint_forward() -> None:
-    model, obs = make_model(), make_obs()
+def test_cached_action_path_equals_joint_forward(tiny_policy: TinyWAM, tiny_obs: Obs) -> None:
+    model, obs = tiny_policy, tiny_obs
     x, sigma = noisy_actions()
     v_cached = model.velocity(model.prefill(obs), x, sigma)
     assert v_cached.shape == (B, CHUNK_LEN, ACTION_DIM)
@@ -101,8 +67,8 @@ def test_cached_action_path_equals_joint_forward() -> None:
 
 
 @torch.no_grad()
-def test_future_video_does_not_reach_the_actions() -> None:
-    model, obs = make_model(), make_obs()
+def test_future_video_does_not_reach_the_actions(tiny_policy: TinyWAM, tiny_obs: Obs) -> None:
+    model, obs = tiny_policy, tiny_obs
     x, sigma = noisy_actions()
     vv_a, va_a, _ = joint(model, obs, future_latents(1), x, sigma)
     vv_b, va_b, _ = joint(model, obs, future_latents(2), x, sigma, sigma_f=0.3)
@@ -143,12 +109,14 @@ def test_fastwam_mask_entries(frames: int, na: int) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def test_checkpoint_round_trip_is_bit_exact(tmp_path: Path) -> None:
-    model, obs = make_model(), make_obs()
+def test_checkpoint_round_trip_is_bit_exact(
+    tmp_path: Path, tiny_policy: TinyWAM, tiny_obs: Obs
+) -> None:
+    model, obs = tiny_policy, tiny_obs
     model.save(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
     meta = yaml.safe_load((tmp_path / "policy.yaml").read_text())
-    assert meta["backend"] == "tiny" and meta["config"]["video_dim"] == CFG.video_dim
+    assert meta["backend"] == "tiny" and meta["config"]["video_dim"] == SMALL_TINY.video_dim
     for loaded in (TinyWAM.load(tmp_path), load_policy(tmp_path)):
         assert isinstance(loaded, TinyWAM) and loaded.cfg == model.cfg
         a, b = model.state_dict(), loaded.state_dict()
@@ -171,8 +139,8 @@ def _tamper(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def test_checkpoint_errors_name_the_tensor(tmp_path: Path) -> None:
-    make_model().save(tmp_path / "ok")
+def test_checkpoint_errors_name_the_tensor(tmp_path: Path, tiny_policy: TinyWAM) -> None:
+    tiny_policy.save(tmp_path / "ok")
     name = "action_outp.weight"
     bad = _tamper(
         tmp_path / "ok", tmp_path / "shape", lambda s: s.__setitem__(name, torch.zeros(3, 3))
@@ -215,14 +183,14 @@ def _outputs(model: TinyWAM, obs: Obs) -> list[torch.Tensor]:
 
 
 def test_lora_at_init_changes_no_output() -> None:
-    model, obs = make_model(perturb=False), make_obs()
+    model, obs = make_tiny_policy().eval(), make_obs()
     wrapped = [m for m in model.video_blocks.modules() if isinstance(m, LoRALinear)]
     plain = [
         m
         for m in model.video_blocks.modules()
         if isinstance(m, nn.Linear) and not any(m is w.base for w in wrapped)
     ]
-    assert len(wrapped) == 7 * CFG.layers and plain == []  # every video-expert linear
+    assert len(wrapped) == 7 * SMALL_TINY.layers and plain == []  # every video-expert linear
     assert not any(isinstance(m, LoRALinear) for m in model.action_blocks.modules())
     assert all(float(w.lora_b.detach().abs().max()) == 0.0 for w in wrapped)
     assert all(float(w.lora_a.detach().abs().max()) > 0.0 for w in wrapped)
@@ -238,11 +206,11 @@ def test_lora_at_init_changes_no_output() -> None:
     assert (changed[-2] - without[-2]).abs().max() > 1e-4  # video velocity
 
 
-def test_inference_shortcuts_equal_the_autograd_path() -> None:
+def test_inference_shortcuts_equal_the_autograd_path(tiny_policy: TinyWAM, tiny_obs: Obs) -> None:
     """Without autograd, LoRA runs as one folded weight and velocity() reuses the action
     expert's context K/V across steps; both must give the autograd path's numbers, and
     follow weight updates (folded weights are re-made when a tensor's version changes)."""
-    model, obs = make_model(), make_obs()
+    model, obs = tiny_policy, tiny_obs
     x, sigma = noisy_actions()
 
     def with_grad() -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,8 +240,8 @@ def test_inference_shortcuts_equal_the_autograd_path() -> None:
     assert model.action_blocks[0].cross_kv.weight.grad is not None
 
 
-def test_parameter_groups() -> None:
-    model = make_model()
+def test_parameter_groups(tiny_policy: TinyWAM) -> None:
+    model = tiny_policy
     groups = model.parameter_groups()
     assert set(groups) == {"actor", "world_model"}
     actor, wm = groups["actor"], groups["world_model"]
@@ -313,7 +281,7 @@ def _train(model: TinyWAM, params: list[nn.Parameter], loss_fn, steps: int = 8) 
 
 
 def test_optimiser_steps_lower_video_and_action_loss() -> None:
-    model, obs = make_model(perturb=False), make_obs()
+    model, obs = make_tiny_policy().eval(), make_obs()
     model.train()
     g = torch.Generator().manual_seed(4)
     video = torch.rand(B, 3, 3, 224, 448, generator=g) * 2 - 1
@@ -335,8 +303,8 @@ def test_optimiser_steps_lower_video_and_action_loss() -> None:
 
 
 @torch.no_grad()
-def test_imagine_shape_range_and_determinism() -> None:
-    model, obs = make_model(), make_obs()
+def test_imagine_shape_range_and_determinism(tiny_policy: TinyWAM, tiny_obs: Obs) -> None:
+    model, obs = tiny_policy, tiny_obs
     out = model.imagine(obs, 2, steps=2, generator=torch.Generator().manual_seed(0))
     assert out.shape == (B, 2, 3, 224, 448) and out.dtype == torch.float32
     assert bool(torch.isfinite(out).all())

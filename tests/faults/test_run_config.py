@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.test_store import TV, K, T, _attrs, make_episodes
+from tests.stores import TV, K, T, make_episodes, store_attrs
 from wamrl import paths
 from wamrl.config import RUN_CONFIG, ConfigError, dump, load_config
 from wamrl.store import ShardWriter, write_reward_group
@@ -94,7 +94,7 @@ def test_force_config_replaces_the_run_config_when_jobs_start(tmp_path: Path) ->
 
 def shard(run: Path, w: int, cfg: dict) -> Path:
     path = paths.shard_path(run, 1, w)
-    attrs = {**_attrs(), "shard": w, "G": cfg["rollout"]["group_size"], "config": cfg}
+    attrs = {**store_attrs(), "shard": w, "G": cfg["rollout"]["group_size"], "config": cfg}
     episodes = make_episodes(w)
     with ShardWriter(path, len(episodes), T, K, TV, attrs) as writer:
         for i, ep in enumerate(episodes):

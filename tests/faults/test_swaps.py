@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.test_store import REWARD_ATTRS, _reward_arrays, make_episodes, write_store
+from tests.stores import REWARD_ATTRS, make_episodes, reward_arrays, write_store
 from wamrl import atomic, faults
 from wamrl.store import write_reward_group
 from wamrl.store_check import validate_store
@@ -27,13 +27,12 @@ POINTS = ("temp", "filled", "moved_aside")
 
 WRITE = {
     "reward": (
-        "from tests.test_store import REWARD_ATTRS, _reward_arrays\n"
+        "from tests.stores import REWARD_ATTRS, reward_arrays\n"
         "from wamrl.store import write_reward_group\n"
-        "write_reward_group(PATH, _reward_arrays(3, 2), np.ones(3, bool), REWARD_ATTRS)\n"
+        "write_reward_group(PATH, reward_arrays(3, 2), np.ones(3, bool), REWARD_ATTRS)\n"
     ),
     "store": (
-        "from tests.test_store import make_episodes, write_store\n"
-        "write_store(PATH, make_episodes(2))\n"
+        "from tests.stores import make_episodes, write_store\nwrite_store(PATH, make_episodes(2))\n"
     ),
     "dir": (
         "from wamrl.atomic import atomic_dir, write_text\n"
@@ -61,7 +60,7 @@ def first_version(kind: str, tmp_path: Path) -> Path:
         return path
     path = write_store(tmp_path / "shard_000.zarr", make_episodes(0))
     if kind == "reward":
-        write_reward_group(path, _reward_arrays(3, 1), np.ones(3, bool), REWARD_ATTRS)
+        write_reward_group(path, reward_arrays(3, 1), np.ones(3, bool), REWARD_ATTRS)
     return path
 
 
@@ -89,7 +88,7 @@ def test_kill_mid_replace_then_rerun(kind: str, point: str, tmp_path: Path) -> N
 
     # The writer's next run settles what the kill left, then writes.
     if kind == "reward":
-        new = _reward_arrays(3, 3)
+        new = reward_arrays(3, 3)
         write_reward_group(path, new, np.ones(3, bool), REWARD_ATTRS)
         g = zarr.open_group(str(path), mode="r")
         np.testing.assert_array_equal(g["reward/r_rec"][0, :6], new["r_rec"][0, :6])
@@ -168,7 +167,7 @@ def test_full_or_read_only_disk_fails_cleanly(
     monkeypatch.setenv(faults.ENV, f"{point}:{mode}")
     with pytest.raises(OSError, match="injected") as e:
         if kind == "reward":
-            write_reward_group(path, _reward_arrays(3, 2), np.ones(3, bool), REWARD_ATTRS)
+            write_reward_group(path, reward_arrays(3, 2), np.ones(3, bool), REWARD_ATTRS)
         elif kind == "store":
             write_store(path, make_episodes(2))
         else:
