@@ -361,8 +361,8 @@ def test_kstar_max_bounds_every_sampler_path() -> None:
         draw_noise(1, K, 0.5, None, torch.zeros(1, CHUNK_LEN, ACTION_DIM), torch.tensor([5]),
                    torch.zeros(1, CHUNK_LEN, ACTION_DIM), kstar_max=high)  # fmt: skip
 
-    model = tiny_policy()
-    obs = tiny_obs(model, b=B)
+    model = make_tiny_policy(perturb="signal").eval()
+    obs = make_obs(b=B, ctx_len=6, row0_len=4)
     eager = sample_chunk(model, model.prefill(obs), B, K, 0.5, 5.0,
                          torch.Generator().manual_seed(2), kstar_max=high)  # fmt: skip
     graphed = GraphedSampler(model, K, 0.5, 5.0, B, kstar_max=high)
