@@ -56,6 +56,7 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
     from libero.libero.envs import OffScreenRenderEnv
 
     from wamrl import paths
+    from wamrl.config import SamplerSection, section
     from wamrl.envs import (
         DUMMY_ACTION,
         env_actions,
@@ -72,7 +73,7 @@ def fastwam_style_loop(cfg: dict, run: Path, max_macro_steps: int | None) -> lis
     e, replan = cfg["eval"], cfg["env"]["replan_steps"]
     device = pick_device(cfg)
     policy, context, mask, normalizer = load_for_queries(paths.policy_dir(run, 0), device)
-    sampler = SamplerSettings.from_config(cfg["sampler"], K=e["K"], a=0.0)
+    sampler = SamplerSettings.from_config(section(cfg, SamplerSection), K=e["K"], a=0.0)
     graphed = None
     if sampler.cuda_graphs and device.type == "cuda":
         graphed = GraphedSampler(policy, sampler.K, 0.0, sampler.shift, 1, amp=sampler.amp)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from wamrl import paths
+from wamrl.config import DemosSection, EnvSection, section
 from wamrl.envs.tasks import Task, tasks_in_suites
 from wamrl.runtime import set_gl_backend
 
@@ -23,15 +24,15 @@ from wamrl.runtime import set_gl_backend
 def attempts(cfg: dict[str, Any], worker: int) -> list[tuple[Task, int]]:
     from wamrl.experts import SUPPORTED
 
-    d = cfg["demos"]
-    tasks = [t for t in tasks_in_suites(d["suites"]) if t.index in SUPPORTED]
-    if d["tasks"] is not None:
-        tasks = [t for t in tasks if t.index in set(d["tasks"])]
-    first = d["first_init_state"]
+    d = section(cfg, DemosSection)
+    tasks = [t for t in tasks_in_suites(d.suites) if t.index in SUPPORTED]
+    if d.tasks is not None:
+        tasks = [t for t in tasks if t.index in set(d.tasks)]
+    first = d.first_init_state
     pairs = [
-        (t, i) for t in tasks for i in range(first, min(first + d["init_states"], t.n_init_states))
+        (t, i) for t in tasks for i in range(first, min(first + d.init_states, t.n_init_states))
     ]
-    W = d["workers"]  # contiguous blocks: a worker makes few envs (4-8 s each on CPU)
+    W = d.workers  # contiguous blocks: a worker makes few envs (4-8 s each on CPU)
     return pairs[worker * len(pairs) // W : (worker + 1) * len(pairs) // W]
 
 
@@ -42,13 +43,14 @@ def main(cfg: dict[str, Any], run_dir: Path, worker: int) -> None:
     from wamrl.experts import make_expert
     from wamrl.progress import progress_bar
 
-    W = cfg["demos"]["workers"]
+    d = section(cfg, DemosSection)
+    W = d.workers
     if not 0 <= worker < W:
         raise ValueError(f"worker {worker} outside 0..{W - 1} (demos.workers = {W})")
     todo = attempts(cfg, worker)
     if not todo:
         raise ValueError(f"demos worker {worker}: no (task, init state) to record")
-    e = cfg["env"]
+    e = section(cfg, EnvSection)
     demos, table = [], []
     t0 = time.perf_counter()
     env = None
@@ -59,13 +61,11 @@ def main(cfg: dict[str, Any], run_dir: Path, worker: int) -> None:
                 if env is not None:
                     env.close()
                 env = LiberoEnv(
-                    task, e["render_size"], e["settle_steps"], seed=cfg["seed"],
-                    model_cache=e["model_cache"],
+                    task, e.render_size, e.settle_steps, seed=cfg["seed"],
+                    model_cache=e.model_cache,
                 )  # fmt: skip
             rng = np.random.default_rng([cfg["seed"], task.index, init])  # per attempt
-            demo, steps = record(
-                env, make_expert(task), init, task.max_steps, cfg["demos"]["action_noise"], rng
-            )
+            demo, steps = record(env, make_expert(task), init, task.max_steps, d.action_noise, rng)
             table.append({"task": task.index, "init_state": init, "success": demo is not None,
                           "steps": steps})  # fmt: skip
             if demo is not None:

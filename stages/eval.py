@@ -31,7 +31,14 @@ import torch
 from wamrl import faults, paths
 from wamrl.artifact import read_json
 from wamrl.atomic import atomic_dir, write_json
-from wamrl.config import resolve_path
+from wamrl.config import (
+    EnvSection,
+    EvalSection,
+    PolicySection,
+    SamplerSection,
+    resolve_path,
+    section,
+)
 from wamrl.envs.tasks import Task, tasks_in_suites
 from wamrl.runtime import pick_device, set_gl_backend
 from wamrl.seeding import derive_seed
@@ -59,15 +66,15 @@ class Protocol:
 def resolve_protocol(cfg: dict[str, Any]) -> Protocol:
     """The one place eval.protocol becomes settings; `official` ignores the eval keys it fixes
     (K, episodes_per_task, max_macro_steps) and env.msaa."""
-    e, p = cfg["eval"], cfg["policy"]
-    if e["protocol"] == "official":
+    e, p = section(cfg, EvalSection), section(cfg, PolicySection)
+    if e.protocol == "official":
         # infer_action holds its latents in the model dtype: bf16 for the release weights
-        fastwam_dtype = (p.get("fastwam") or {}).get("dtype", "float32")
-        dtype = fastwam_dtype if p["backend"] == "fastwam" else "float32"
+        # (validate() requires policy.fastwam, and with it its dtype, with backend fastwam)
+        dtype = p.fastwam["dtype"] if p.backend == "fastwam" else "float32"  # type: ignore[index]
         return Protocol("official", OFFICIAL_K, "reseed_42", True, OFFICIAL_TRIALS, None, dtype)
     return Protocol(
-        "wamrl", e["K"], "per_episode", bool(cfg["env"]["msaa"]), e["episodes_per_task"],
-        e["max_macro_steps"], "float32",
+        "wamrl", e.K, "per_episode", section(cfg, EnvSection).msaa, e.episodes_per_task,
+        e.max_macro_steps, "float32",
     )  # fmt: skip
 
 
@@ -81,7 +88,7 @@ def episode_noise(protocol: Protocol, eval_seed: int, task: int, k: int) -> tupl
 def reference_rates(cfg: dict[str, Any], tasks: list[Task]) -> dict[str, Any] | None:
     """The base checkpoint's own eval.json (data/base_policy ships one) for these tasks, so a
     short eval can be read against the base's longer one; None where there is none."""
-    base = cfg["policy"]["base_checkpoint"]
+    base = section(cfg, PolicySection).base_checkpoint
     if base is None or base == "sft":
         return None
     path = resolve_path(base) / paths.EVAL_FILE
@@ -152,26 +159,25 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     policy_dir = paths.policy_dir(run_dir, iteration)
     if not (policy_dir / paths.MODEL_FILE).is_file():
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
-    e, s = cfg["eval"], cfg["sampler"]
-    tasks = tasks_in_suites(e["suites"])
-    if e["tasks"] is not None:
-        tasks = [t for t in tasks if t.index in set(e["tasks"])]
+    e = section(cfg, EvalSection)
+    tasks = tasks_in_suites(e.suites)
+    if e.tasks is not None:
+        tasks = [t for t in tasks if t.index in set(e.tasks)]
         if not tasks:
-            raise ValueError(
-                f"eval.tasks {e['tasks']} selects no task of eval.suites {e['suites']}"
-            )
+            raise ValueError(f"eval.tasks {e.tasks} selects no task of eval.suites {e.suites}")
     protocol = resolve_protocol(cfg)
     specs = []
     for t in tasks:
         for k in range(protocol.episodes_per_task):
-            seed, reseed = episode_noise(protocol, e["seed"], t.index, k)
-            video = len(specs) < e["videos"]
+            seed, reseed = episode_noise(protocol, e.seed, t.index, k)
+            video = len(specs) < e.videos
             specs.append(EpisodeSpec(t, k % t.n_init_states, t.index, video, seed, reseed))
     sampler = replace(
-        SamplerSettings.from_config(s, K=protocol.K, a=0.0),  # eval: pure ODE, its own K
+        # eval: pure ODE, its own K
+        SamplerSettings.from_config(section(cfg, SamplerSection), K=protocol.K, a=0.0),
         scheduler_dtype=getattr(torch, protocol.scheduler_dtype),
     )
-    env_cfg = {**cfg["env"], "msaa": protocol.msaa}
+    env_cfg = {**cfg["env"], "msaa": protocol.msaa}  # the env processes take a dict
     device = pick_device(cfg, "eval")
     torch.set_num_threads(1)
     results: list[tuple[int, bool, bool]] = []
@@ -185,7 +191,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
 
     start = time.time()
     # The pool first: its processes import LIBERO while this one loads the policy.
-    with EnvPool(e["envs"], policy_dir / paths.STATS_FILE, env_cfg, seed=e["seed"]) as pool:
+    with EnvPool(e.envs, policy_dir / paths.STATS_FILE, env_cfg, seed=e.seed) as pool:
         policy, context, mask, normalizer = load_for_queries(policy_dir, device)
         stats = run_episodes(
             policy,
@@ -196,11 +202,11 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
             normalizer,
             sampler,
             protocol.max_macro_steps,
-            seed=e["seed"],
+            seed=e.seed,
             on_episode=on_episode,
             device=device,
             description=f"eval iter {iteration}",
-            lockstep=e["lockstep"],
+            lockstep=e.lockstep,
             record_frames=False,  # eval scores success only: one render per chunk
             fixed_batch=True,  # a row's result independent of its batch: bitwise reruns
         )

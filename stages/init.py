@@ -18,7 +18,7 @@ import torch
 
 from wamrl import paths
 from wamrl.atomic import sha256_file
-from wamrl.config import resolve_path
+from wamrl.config import PolicySection, resolve_path, section
 from wamrl.envs.conventions import Normalizer
 from wamrl.envs.tasks import load_tasks
 from wamrl.policy.checkpoint import read_policy_yaml, write_policy_dir
@@ -50,11 +50,12 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
 
     if iteration != 0:
         raise ValueError("init builds iteration 0 only")
-    base = cfg["policy"]["base_checkpoint"]
+    p = section(cfg, PolicySection)
+    base = p.base_checkpoint
     base_dir = None
     if base is not None:
         base_dir = paths.sft_policy_dir(run_dir) if base == "sft" else resolve_path(base)
-    stats = resolve_path(cfg["policy"]["stats"])
+    stats = resolve_path(p.stats)
     if base_dir is not None and (base_dir / paths.STATS_FILE).is_file():
         stats = base_dir / paths.STATS_FILE
     Normalizer.load(stats)  # a missing or malformed stats file fails here, before any work
@@ -75,7 +76,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
     # Built or loaded on the CPU: init only writes the checkpoint, and holds no GPU slot.
     say_device("init", "device cpu", "init writes the checkpoint only")
     tasks = load_tasks()
-    if cfg["policy"]["backend"] == "fastwam":  # umT5 contexts, Fast-WAM's prompt template
+    if p.backend == "fastwam":  # umT5 contexts, Fast-WAM's prompt template
         from wamrl.policy.context import task_contexts
 
         context, mask = task_contexts(cfg, run_dir, tasks)
@@ -83,7 +84,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int = 0) -> None:
         context, mask = cached_task_contexts(
             [t.language for t in tasks],
             [t.name for t in tasks],
-            cfg["policy"]["tiny"]["text_max_len"],
+            p.tiny.text_max_len,
             paths.context_dir(run_dir),
         )
     write_policy_dir(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from wamrl import paths, tb
+from wamrl.config import EnvSection, RolloutSection, SamplerSection, section
 from wamrl.envs.tasks import tasks_in_suites
 from wamrl.plan import make_plan, shard_specs
 from wamrl.runtime import pick_device, set_gl_backend
@@ -23,8 +24,8 @@ from wamrl.seeding import derive_seed
 
 def episode_limits(cfg: dict[str, Any], tasks) -> tuple[int, int]:
     """(T, Tv): macro-steps and env steps (+1 initial frame) of the longest episode."""
-    replan = cfg["env"]["replan_steps"]
-    cap = cfg["env"]["max_macro_steps"]
+    env = section(cfg, EnvSection)
+    replan, cap = env.replan_steps, env.max_macro_steps
     T = max(math.ceil(t.max_steps / replan) for t in tasks)
     if cap is not None:
         T = min(T, cap)
@@ -40,7 +41,9 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
 
     if iteration < 1:
         raise ValueError("rollouts start at iteration 1 (iteration 0 is init)")
-    W = cfg["rollout"]["workers"]
+    r, env = section(cfg, RolloutSection), section(cfg, EnvSection)
+    sampler = section(cfg, SamplerSection)
+    W = r.workers
     if not 0 <= worker < W:
         raise ValueError(f"worker {worker} outside 0..{W - 1} (rollout.workers = {W})")
     run_dir = Path(run_dir)
@@ -48,31 +51,30 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     if not (policy_dir / paths.MODEL_FILE).is_file():
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
 
-    candidates = tasks_in_suites(cfg["rollout"]["suites"])
+    candidates = tasks_in_suites(r.suites)
     plan, plan_record = make_plan(cfg, run_dir, iteration, candidates)
     specs = shard_specs(plan, worker, W)
     T, Tv = episode_limits(cfg, [s.task for s in specs])
     device = pick_device(cfg, "rollout")
     torch.set_num_threads(1)  # the cores belong to the env processes
-    s = cfg["sampler"]
     attrs = {
         "iteration": iteration,
         "shard": worker,
-        "G": cfg["rollout"]["group_size"],
-        "a": s["noise_a"],
+        "G": r.group_size,
+        "a": sampler.noise_a,
         "policy_checkpoint": str(policy_dir),
         "policy_sha256": checkpoint_sha256(policy_dir),
         "config": cfg,
         "plan": plan_record,  # the rates behind the plan: plan.plan_from_attrs recomputes it
     }
-    env_cfg = dict(cfg["env"])
+    env_cfg = dict(cfg["env"])  # the env processes take the section as a dict
     # The pool first: its processes import LIBERO while this one loads the policy.
     with EnvPool(
-        cfg["rollout"]["envs_per_worker"], policy_dir / paths.STATS_FILE, env_cfg, seed=cfg["seed"]
+        r.envs_per_worker, policy_dir / paths.STATS_FILE, env_cfg, seed=cfg["seed"]
     ) as pool:
         policy, context, mask, normalizer = load_for_queries(policy_dir, device)
         with ShardWriter(
-            paths.shard_path(run_dir, iteration, worker), len(specs), T, s["K"], Tv, attrs
+            paths.shard_path(run_dir, iteration, worker), len(specs), T, sampler.K, Tv, attrs
         ) as writer:
             run_episodes(
                 policy,
@@ -81,14 +83,14 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 context,
                 mask,
                 normalizer,
-                SamplerSettings.from_config(s),
-                cfg["env"]["max_macro_steps"],
+                SamplerSettings.from_config(sampler),
+                env.max_macro_steps,
                 seed=derive_seed(cfg["seed"], iteration, worker),
                 on_episode=writer.write_episode,
                 device=device,
                 description=f"rollout iter {iteration} shard {worker}",
                 # with each episode's own noise seed: a rerun gives the same bits
-                fixed_batch=cfg["rollout"]["fixed_batch"],
+                fixed_batch=r.fixed_batch,
             )
     shard = paths.shard_path(run_dir, iteration, worker)
     tb.log_scalars(

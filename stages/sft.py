@@ -18,6 +18,7 @@ import torch
 
 from wamrl import paths
 from wamrl.atomic import write_json
+from wamrl.config import DemosSection, PolicySection, SftSection, section
 from wamrl.policy.checkpoint import write_policy_dir
 
 
@@ -32,7 +33,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     from wamrl.sft import Batches, train
 
     run_dir = Path(run_dir)
-    shards = paths.demos_shards(run_dir, cfg["demos"]["workers"])
+    shards = paths.demos_shards(run_dir, section(cfg, DemosSection).workers)
     missing = [str(p) for p in shards if not p.exists()]
     if missing:
         raise FileNotFoundError(f"sft: demo stores missing: {missing}")
@@ -44,13 +45,13 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
     context, mask = cached_task_contexts(
         [t.language for t in tasks],
         [t.name for t in tasks],
-        cfg["policy"]["tiny"]["text_max_len"],
+        section(cfg, PolicySection).tiny.text_max_len,
         paths.context_dir(run_dir),
     )
     device = pick_device(cfg, "sft")
     torch.manual_seed(cfg["seed"])
     policy = build_policy(cfg).to(device)
-    batches = Batches(demos, norm, context, mask, device, cfg["sft"]["augment_shift"])
+    batches = Batches(demos, norm, context, mask, device, section(cfg, SftSection).augment_shift)
 
     def save(out: Path, step: int) -> None:
         record = {
@@ -63,7 +64,7 @@ def main(cfg: dict[str, Any], run_dir: Path) -> None:
         write_policy_dir(out, policy, ([t.name for t in tasks], context, mask), stats, record)
 
     snapshot = paths.sft_snapshot_dir(run_dir)
-    with progress_bar() as bar:
+    with progress_bar() as bar:  # wamrl.sft.train reads the sft section as a dict
         log = train(
             policy, batches, cfg["sft"], cfg["seed"], progress=bar,
             on_snapshot=lambda step: save(snapshot, step),

@@ -166,3 +166,57 @@ def test_typed_sections_match_the_schema_and_read_numbers() -> None:
     assert actor.epochs == 3 and isinstance(actor.epochs, int)
     with pytest.raises(ConfigError, match=r"actor: keys \['surplus'\]"):
         section({**cfg, "actor": {**cfg["actor"], "surplus": 1}}, ActorSection)
+
+
+def test_stage_sections_build_from_the_shipped_configs_and_read_numbers() -> None:
+    """The sections eval, demos, sft, init and rollout read (policy with its nested tiny dims
+    and its optional fastwam section)."""
+    from dataclasses import asdict
+
+    from wamrl.config import (
+        CONFIG_DIR,
+        DemosSection,
+        EvalSection,
+        PolicySection,
+        SamplerSection,
+        SftSection,
+        TinyPolicySection,
+        section,
+    )
+
+    flat = (DemosSection, EvalSection, SamplerSection, SftSection)
+    for files in ([], [CONFIG_DIR / "seed.yaml"], [CONFIG_DIR / "rl_gpu.yaml"],
+                  [CONFIG_DIR / "fastwam.yaml"]):  # fmt: skip
+        cfg = load_config(files)
+        for cls in flat:  # raises if the dataclass and the schema's keys drift apart
+            assert section(cfg, cls) == cls(**cfg[cls.SECTION])
+        policy = section(cfg, PolicySection)
+        assert isinstance(policy.tiny, TinyPolicySection)
+        assert {**asdict(policy), "fastwam": policy.fastwam} == {
+            "fastwam": None,
+            **cfg["policy"],
+        }
+    assert policy.backend == "fastwam" and policy.fastwam == cfg["policy"]["fastwam"]
+    assert load_config()["policy"].keys() == {"backend", "base_checkpoint", "stats", "tiny"}
+
+    cfg = load_config()
+    strings = {  # YAML 1.1 reads `1e-5` (no dot) as a string
+        "sampler": {**cfg["sampler"], "noise_a": "5e-1", "K": "8"},
+        "demos": {**cfg["demos"], "action_noise": "1e-2"},
+        "sft": {**cfg["sft"], "lr": "3e-4", "time_budget_s": "6e2"},
+        "policy": {**cfg["policy"], "tiny": {**cfg["policy"]["tiny"], "text_max_len": "24"}},
+    }
+    raw = {**cfg, **strings}
+    sampler, sft = section(raw, SamplerSection), section(raw, SftSection)
+    assert sampler.noise_a == 0.5 and isinstance(sampler.noise_a, float)
+    assert sampler.K == 8 and isinstance(sampler.K, int)
+    assert section(raw, DemosSection).action_noise == 0.01
+    assert isinstance(section(raw, DemosSection).action_noise, float)
+    assert sft.lr == 3e-4 and isinstance(sft.lr, float)
+    assert sft.time_budget_s == 600.0 and isinstance(sft.time_budget_s, float)
+    assert section(raw, PolicySection).tiny.text_max_len == 24
+    with pytest.raises(ConfigError, match=r"policy.tiny: keys \['heads'\]"):
+        tiny = {k: v for k, v in cfg["policy"]["tiny"].items() if k != "heads"}
+        section({**cfg, "policy": {**cfg["policy"], "tiny": tiny}}, PolicySection)
+    with pytest.raises(ConfigError, match=r"eval: keys \['surplus'\]"):
+        section({**cfg, "eval": {**cfg["eval"], "surplus": 1}}, EvalSection)

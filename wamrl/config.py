@@ -11,7 +11,7 @@ import copy
 import re
 import types
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 
@@ -400,10 +400,97 @@ class EnvSection:
     model_cache: str | None
 
 
-def _convert(hint: Any, value: Any) -> Any:
-    """int and float fields (optional ones too) as numbers; everything else as given."""
+@dataclass(frozen=True)
+class TinyPolicySection:
+    """policy.tiny: the built-in backend's dims."""
+
+    video_dim: int
+    action_dim: int
+    layers: int
+    heads: int
+    head_dim: int
+    latent_channels: int
+    ffn_mult: int
+    text_max_len: int
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    SECTION: ClassVar[str] = "policy"
+    backend: str  # tiny | fastwam
+    base_checkpoint: str | None  # a policy directory | sft | None (fresh random model)
+    stats: str
+    tiny: TinyPolicySection
+    # configs/fastwam.yaml's section, as the fastwam backend reads it; the one key the schema
+    # leaves optional (validate() requires it with backend fastwam)
+    fastwam: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SamplerSection:
+    SECTION: ClassVar[str] = "sampler"
+    K: int
+    noise_a: float
+    shift: float
+    kstar_max: int | None
+    cuda_graphs: bool
+    amp: str | None
+    max_batch: int | None
+    compile: bool
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    SECTION: ClassVar[str] = "eval"
+    every: int
+    protocol: str  # wamrl | official
+    episodes_per_task: int
+    K: int
+    seed: int
+    max_macro_steps: int | None
+    envs: int
+    lockstep: bool
+    videos: int
+    suites: list[str]
+    tasks: list[int] | None
+
+
+@dataclass(frozen=True)
+class DemosSection:
+    SECTION: ClassVar[str] = "demos"
+    workers: int
+    first_init_state: int
+    init_states: int
+    action_noise: float
+    suites: list[str]
+    tasks: list[int] | None
+
+
+@dataclass(frozen=True)
+class SftSection:
+    SECTION: ClassVar[str] = "sft"
+    steps: int
+    time_budget_s: float | None
+    batch: int
+    video_batch: int
+    video_frames: int
+    video_weight: float
+    augment_shift: int
+    lr: float
+    weight_decay: float
+    warmup: int
+    grad_clip: float
+    log_every: int
+    save_every: int | None
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    """int and float fields (optional ones too) as numbers, a nested section's mapping as its
+    dataclass; everything else as given."""
     if value is None:
         return None
+    if is_dataclass(hint):
+        return _build(hint, value, where)  # type: ignore[arg-type]
     kinds = set(get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
     for kind in (int, float):
         if kind in kinds and not isinstance(value, bool):
@@ -411,15 +498,26 @@ def _convert(hint: Any, value: Any) -> Any:
     return value
 
 
-def section(cfg: Mapping[str, Any], cls: type[S]) -> S:
-    """cfg[cls.SECTION] as the frozen dataclass `cls`; its fields are the schema's keys."""
-    name = cls.SECTION  # type: ignore[attr-defined]
-    raw = cfg[name]
+def _build(cls: type[S], raw: Mapping[str, Any], where: str) -> S:
     hints = get_type_hints(cls)
-    want = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    if set(raw) != want:
+    every = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    # a field with a default is a key the schema leaves optional
+    required = {
+        f.name
+        for f in fields(cls)  # type: ignore[arg-type]
+        if f.default is MISSING and f.default_factory is MISSING
+    }
+    have = set(raw)
+    if not required <= have <= every:
         raise ConfigError(
-            f"{name}: keys {sorted(set(raw) ^ want)} differ from the typed section's "
-            "(configs/schema.yaml and wamrl/config.py must agree)"
+            f"{where}: keys {sorted((have - every) | (required - have))} differ from the typed "
+            "section's (configs/schema.yaml and wamrl/config.py must agree)"
         )
-    return cls(**{k: _convert(hints[k], raw[k]) for k in want})
+    return cls(**{k: _convert(hints[k], raw[k], f"{where}.{k}") for k in have})
+
+
+def section(cfg: Mapping[str, Any], cls: type[S]) -> S:
+    """cfg[cls.SECTION] as the frozen dataclass `cls`; its fields are the schema's keys (a
+    nested section, e.g. policy.tiny, as its own dataclass)."""
+    name = cls.SECTION  # type: ignore[attr-defined]
+    return _build(cls, cfg[name], name)

@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from rich.console import Console
 
+from wamrl.config import SamplerSection
 from wamrl.contract import ACTION_DIM, CHUNK_LEN, IMAGE_HW, N_FUTURE, PROPRIO_DIM
 from wamrl.envs.conventions import Normalizer, env_actions, image_to_model_input
 from wamrl.envs.pool import Crashed, EnvPool, Event, Query, StepResult
@@ -49,13 +50,12 @@ class SamplerSettings:
 
     @classmethod
     def from_config(
-        cls, s: dict[str, Any], K: int | None = None, a: float | None = None
+        cls, s: SamplerSection, K: int | None = None, a: float | None = None
     ) -> SamplerSettings:
         """The config's `sampler` section; K and a override its K and noise_a."""
         return cls(
-            s["K"] if K is None else K, s["noise_a"] if a is None else a, s["shift"],
-            s["cuda_graphs"], AMP_DTYPES[s["amp"]], s["max_batch"], s["compile"],
-            kstar_max=s["kstar_max"],
+            s.K if K is None else K, s.noise_a if a is None else a, s.shift, s.cuda_graphs,
+            AMP_DTYPES[s.amp], s.max_batch, s.compile, kstar_max=s.kstar_max,
         )  # fmt: skip
 
 
