@@ -1,0 +1,96 @@
+"""Which half of an iteration's update moved the policy: the actor's or the world model's?
+
+    python scripts/update_split.py RUN_DIR ITERATION [--steps 512]
+
+Merge puts two updates into iter_n/policy: the action expert (actor stage, trained with
+iter_{n-1}'s video expert and held to actor.target_kl) and the video expert's LoRA (world-model
+stage, no trust region on the action). The actor reaches the video expert's features through
+the first-frame cache, so a LoRA step moves the action distribution too, unmeasured. This
+script measures both on iteration n's own kept steps (what the actor trained on): the exact
+KL of the SDE step, sum (mu - mu_{n-1})^2 / (2 std^2) (sampler.gaussian_kl, the actor
+metrics' `kl`), from policy n-1 to (a) n-1 + the actor tensors, (b) n-1 + the LoRA
+tensors, (c) policy n, overall and per k*; and what eval sees: the RMS change of the
+deterministic action chunk (a = 0, the rollout's K, the same x_0 per step), in normalised
+action units (a demo's actions have std 1 per dim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from wamrl import paths
+from wamrl.artifact import load_tensors, read_json
+from wamrl.config import RolloutSection, section
+from wamrl.contract import ACTION_DIM, CHUNK_LEN
+from wamrl.policy.base import Policy
+from wamrl.ppo import learner_pass, load_actor_data
+from wamrl.sampler import gaussian_kl, sample_chunk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("iteration", type=int)
+    ap.add_argument("--steps", type=int, default=512, help="kept steps measured (the first N)")
+    args = ap.parse_args()
+    from wamrl.policy import load_policy
+    from wamrl.policy.text import load_contexts
+
+    run, n = args.run_dir, args.iteration
+    cfg = read_json(paths.reward_done(run, n))["config"]
+    prev_dir = paths.policy_dir(run, n - 1)
+    context, mask = load_contexts(prev_dir / paths.CONTEXT_FILE)
+    shards = paths.shard_paths(run, n, section(cfg, RolloutSection).workers)
+    data = load_actor_data(shards, context, mask, cfg)
+    parts = {
+        "actor": load_tensors(paths.actor_dir(run, n) / paths.ACTOR_FILE),
+        "world_model": load_tensors(paths.world_model_dir(run, n) / paths.LORA_FILE),
+    }
+
+    def policy_with(*names: str) -> Policy:
+        policy = load_policy(prev_dir, device="cpu")
+        for name in names:
+            policy.load_state_dict(parts[name], strict=False)
+        return policy.eval()
+
+    @torch.no_grad()
+    def actions(policy: Policy) -> np.ndarray:
+        out = []
+        for start in range(0, args.steps, 64):
+            idx = np.arange(start, min(start + 64, args.steps, len(data)))
+            x0 = torch.randn(
+                len(idx), CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(start)
+            )
+            res = sample_chunk(policy, policy.prefill(data.obs(idx, "cpu")), len(idx), data.K, 0.0,
+                               data.shift, None, x0=x0)  # fmt: skip
+            out.append(res.chain[:, -1].numpy())
+        return np.concatenate(out)
+
+    def mu_of(*names: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        policy = policy_with(*names)
+        out = learner_pass(policy, data, 64, "cpu", limit=args.steps)
+        return out.mu, out.std, actions(policy)
+
+    mu0, std, act0 = mu_of()
+    k = data.k_star[: len(mu0)]
+    result = {"iteration": n, "steps": int(len(mu0))}
+    for label, names in (("actor", ("actor",)), ("world_model", ("world_model",)),
+                         ("both", ("actor", "world_model"))):  # fmt: skip
+        mu, _, act = mu_of(*names)
+        kl = gaussian_kl(torch.from_numpy(mu), torch.from_numpy(mu0),
+                         torch.from_numpy(std)[:, None, None]).numpy()  # fmt: skip
+        result[label] = {
+            "kl": float(kl.mean()),
+            "kl_by_k_star": {int(s): float(kl[k == s].mean()) for s in np.unique(k)},
+            "action_rms_change": float(np.sqrt(((act - act0) ** 2).mean())),
+        }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
