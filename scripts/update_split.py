@@ -11,7 +11,7 @@ KL of the SDE step, sum (mu - mu_{n-1})^2 / (2 std^2) (sampler.gaussian_kl, the 
 metrics' `kl`), from policy n-1 to (a) n-1 + the actor tensors, (b) n-1 + the LoRA
 tensors, (c) policy n, overall and per k*; and what eval sees: the RMS change of the
 deterministic action chunk (a = 0, the rollout's K, the same x_0 per step), in normalised
-action units (a demo's actions have std 1 per dim).
+action units (min/max-normalised to [-1, 1]).
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def main() -> None:
             "kl": float(kl.mean()),
             "kl_by_k_star": {int(s): float(kl[k == s].mean()) for s in np.unique(k)},
             "action_rms_change": float(np.sqrt(((act - act0) ** 2).mean())),
+            "action_rms_change_by_dim": np.sqrt(((act - act0) ** 2).mean((0, 1))).round(4).tolist(),
+            # the gripper (last dim) acts by its sign: chunk entries whose sign flipped
+            "gripper_sign_flips": float((np.sign(act[..., -1]) != np.sign(act0[..., -1])).mean()),
         }
     print(json.dumps(result, indent=1))
 
