@@ -71,17 +71,17 @@ def main() -> None:
             out.append(res.chain[:, -1].numpy())
         return np.concatenate(out)
 
-    def mu_of(*names: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def measure(*names: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         policy = policy_with(*names)
         out = learner_pass(policy, data, 64, "cpu", limit=args.steps)
         return out.mu, out.std, actions(policy)
 
-    mu0, std, act0 = mu_of()
+    mu0, std, act0 = measure()
     k = data.k_star[: len(mu0)]
     result = {"iteration": n, "steps": int(len(mu0))}
     for label, names in (("actor", ("actor",)), ("world_model", ("world_model",)),
                          ("both", ("actor", "world_model"))):  # fmt: skip
-        mu, _, act = mu_of(*names)
+        mu, _, act = measure(*names)
         kl = gaussian_kl(torch.from_numpy(mu), torch.from_numpy(mu0),
                          torch.from_numpy(std)[:, None, None]).numpy()  # fmt: skip
         result[label] = {

@@ -93,15 +93,12 @@ def reconstruction_rewards(
     task = torch.as_tensor(store.read_episode_arrays(g, ["task"])["task"].astype(np.int64))
     r_rec = np.zeros(valid.shape, dtype=np.float32)
     batches = imagine_batches(valid, batch)
-    bar = (
-        None
-        if progress is None
-        else progress.add_task(
+    if progress is not None:
+        bar = progress.add_task(
             f"reward imagination, shard {shard}",
             total=len(batches),
             info=f"{int(valid.sum())} steps",
         )
-    )
     policy.eval()
     with ThreadPoolExecutor(1) as reader:
         pending = reader.submit(_read_batch, g, batches[0]) if batches else None
@@ -127,8 +124,8 @@ def reconstruction_rewards(
                 )
             mse = ((imagined - target) ** 2).flatten(1).mean(dim=1)
             r_rec[pairs[:, 0], pairs[:, 1]] = (-mse).cpu().numpy()
-            if bar is not None:
-                progress.update(bar, advance=1)  # type: ignore[union-attr]
+            if progress is not None:
+                progress.update(bar, advance=1)
     return r_rec
 
 
