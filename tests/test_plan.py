@@ -20,6 +20,7 @@ from wamrl.plan import (
     rollout_plan,
     shard_specs,
     smoothed_rates,
+    systematic_draw,
     task_weights,
 )
 from wamrl.store import EpisodeData, ShardWriter, StoreError
@@ -131,3 +132,32 @@ def test_the_rollout_rule_declares_the_previous_rollouts(tmp_path: Path) -> None
     assert inputs["iter_002/rollouts/shard_000.zarr"] == (
         "iter_001/policy, iter_001/rollouts/shard_000.zarr, iter_001/rollouts/shard_001.zarr"
     )
+
+
+def test_systematic_draw_holds_each_task_floor_or_ceil_of_its_share() -> None:
+    rng = np.random.default_rng(3)
+    # uniform weights, n = number of tasks: every task exactly once, in a shuffled order
+    picks = systematic_draw(np.full(10, 0.1), 10, rng)
+    assert sorted(picks) == list(range(10)) and picks != list(range(10))
+    # n w = [3.2, 1.6, 0.8, 0.4]: counts 3 or 4, 1 or 2, 0 or 1, 0 or 1; 6 picks in all
+    w = np.array([0.4, 0.2, 0.1, 0.05]) / 0.75
+    for _ in range(50):
+        counts = np.bincount(systematic_draw(w, 6, rng), minlength=4)
+        assert counts.sum() == 6
+        assert all(np.floor(6 * w) <= counts) and all(counts <= np.ceil(6 * w))
+
+
+def test_the_plan_draws_every_task_once_at_uniform_weights_and_old_stores_replan() -> None:
+    cfg = _cfg(oversample_temperature=0.0, groups=10)
+    tasks = tasks_in_suites(["libero_object"])
+    rates = np.full(len(tasks), 0.5)
+    specs = rollout_plan(cfg, 4, tasks, rates)
+    assert sorted({s.task.index for s in specs}) == [t.index for t in tasks]
+    # the independent draw (stores without attrs.plan.draw) repeats tasks at this seed
+    old = rollout_plan(cfg, 4, tasks, rates, draw="independent")
+    assert len({s.task.index for s in old}) < len(tasks)
+    _, record = make_plan(cfg, Path("/nonexistent"), 1, tasks)
+    record.pop("draw")
+    assert plan_from_attrs({"plan": record}) == rollout_plan(cfg, 1, tasks, rates, "independent")
+    with pytest.raises(ValueError, match="unknown task draw"):
+        rollout_plan(cfg, 4, tasks, rates, draw="stratified")

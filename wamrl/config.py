@@ -368,6 +368,7 @@ class ActorSection:
     clip_high: float
     target_kl: float | None
     ref_kl: float
+    step_weight: str  # none | inv_sensitivity
     grad_clip: float
     logp_check_tol: float
     amp: str | None

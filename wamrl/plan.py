@@ -76,19 +76,38 @@ def previous_rollout_counts(
     return successes, counts, sources
 
 
+def systematic_draw(weights: np.ndarray, n: int, rng: np.random.Generator) -> list[int]:
+    """n task indices in which task i appears floor(n w_i) or ceil(n w_i) times (systematic
+    sampling: one uniform offset, n evenly spaced points on the weights' CDF), in random order.
+    Unlike n independent draws, every task with n w_i >= 1 is in the iteration: at uniform
+    weights and n = len(weights), each task exactly once."""
+    cdf = np.cumsum(np.asarray(weights, np.float64))
+    points = (rng.random() + np.arange(n)) / n * cdf[-1]
+    picks = np.minimum(np.searchsorted(cdf, points, side="right"), len(cdf) - 1)
+    return [int(i) for i in rng.permutation(picks)]
+
+
 def rollout_plan(
-    cfg: dict, iteration: int, tasks: list[Task], success: np.ndarray
+    cfg: dict, iteration: int, tasks: list[Task], success: np.ndarray, draw: str = "systematic"
 ) -> list[EpisodeSpec]:
     """All episodes of the iteration, group by group (G consecutive specs share task and init).
 
+    draw: how the groups' tasks are drawn from task_weights: "systematic" (systematic_draw,
+    the default since stores record attrs.plan.draw) or "independent" (one draw per group,
+    with replacement: at 10 groups and 10 tasks an iteration saw 5 to 8 of them; stores
+    without attrs.plan.draw were planned so).
     Each episode gets its own noise seed from (seed, iteration, group, member), so its x_0,
     k* and SDE noise do not depend on which env or batch it runs in (wamrl.rollout)."""
     r = cfg["rollout"]
     rng = np.random.default_rng([cfg["seed"], iteration])
     weights = task_weights(success, r["oversample_temperature"])
+    if draw not in ("systematic", "independent"):
+        raise ValueError(f"unknown task draw {draw!r}: systematic | independent")
+    drawn = systematic_draw(weights, r["groups"], rng) if draw == "systematic" else None
     specs: list[EpisodeSpec] = []
     for g in range(r["groups"]):
-        task = tasks[int(rng.choice(len(tasks), p=weights))]
+        i = drawn[g] if drawn is not None else int(rng.choice(len(tasks), p=weights))
+        task = tasks[i]
         init_state = int(rng.integers(task.n_init_states))
         for m in range(r["group_size"]):
             video = bool(rng.random() < r["video_sft_share"])
@@ -121,6 +140,7 @@ def make_plan(
         "episodes": counts.tolist(),
         "rates": rates.tolist(),
         "temperature": float(cfg["rollout"]["oversample_temperature"]),
+        "draw": "systematic",
         "seed": int(cfg["seed"]),
         "iteration": int(iteration),
         "groups": int(cfg["rollout"]["groups"]),
@@ -144,5 +164,7 @@ def plan_from_attrs(attrs: dict[str, Any], worker: int | None = None) -> list[Ep
             "oversample_temperature": p["temperature"],
         },
     }
-    specs = rollout_plan(cfg, p["iteration"], [table[i] for i in p["tasks"]], np.array(p["rates"]))
+    tasks = [table[i] for i in p["tasks"]]
+    draw = p.get("draw", "independent")  # stores made before attrs.plan.draw: independent
+    specs = rollout_plan(cfg, p["iteration"], tasks, np.array(p["rates"]), draw)
     return specs if worker is None else shard_specs(specs, worker, p["workers"])

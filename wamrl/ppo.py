@@ -44,8 +44,12 @@ def ppo_loss(
     clip_high: float,
     kl_ref: Tensor | None = None,
     ref_kl: float = 0.0,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped PPO surrogate (clip-higher when clip_high > clip_low) + optional reference KL.
+
+    weight: per-sample weights of the surrogate (actor.step_weight: sampler.step_weights of
+    each sample's k*); the policy loss is -mean(weight * min(rho A, clip(rho) A)).
 
     kl_ref: the per-sample closed-form KL to the reference policy (sampler.gaussian_kl);
     the loss adds ref_kl * mean(kl_ref). Returns (loss, stats) with stats: policy loss, clip
@@ -57,7 +61,8 @@ def ppo_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    policy_loss = -torch.minimum(unclipped, clipped).mean()
+    surrogate = torch.minimum(unclipped, clipped)
+    policy_loss = -(surrogate if weight is None else weight * surrogate).mean()
     loss = policy_loss
     stats: dict[str, float] = {}
     if kl_ref is not None:
@@ -359,6 +364,10 @@ def actor_update(
     amp = AMP_DTYPES[acfg.get("amp")]
     target_kl = acfg.get("target_kl")
     ref_kl = float(acfg["ref_kl"])
+    step_weight = None  # [K] per-k* loss weights (actor.step_weight), on the device
+    if acfg.get("step_weight", "none") == "inv_sensitivity":
+        kmax = cfg.get("sampler", {}).get("kstar_max")
+        step_weight = sampler.step_weights(data.K, data.noise_a, data.shift, kmax).to(device)
     # The stats' keys in one-process order (a rank with an empty share computes none).
     stat_keys = ["policy_loss", "clip_fraction", "approx_kl", "ratio_mean", "kl"]
     if ref_policy is not None and ref_kl != 0.0:
@@ -409,6 +418,9 @@ def actor_update(
                     float(acfg["clip_high"]),
                     kl_ref=kl_ref,
                     ref_kl=ref_kl,
+                    weight=None
+                    if step_weight is None
+                    else step_weight[data.tensor("k_star", part, device)],
                 )
                 if not torch.isfinite(loss):
                     raise NonFiniteError(

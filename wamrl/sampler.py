@@ -287,6 +287,22 @@ def logp_sensitivity(K: int, a: float, shift: float) -> Tensor:
     return out
 
 
+def step_weights(K: int, a: float, shift: float, high: int | None = None) -> Tensor:
+    """[K] per-k* weights of the policy loss that equalise its score noise across steps:
+    w_k = 1 / logp_sensitivity_k, scaled to mean 1 over k* in 1..high (entry 0 is 0).
+
+    The score d log pi / d v = xi c_k (logp_sensitivity) has noise ~ c_k, while its signal,
+    E[A xi c_k], goes through the action's response to the injected noise std_k xi, ~ c_k
+    std_k = Delta_k (1 + a^2/2): per-step SNR ~ std_k, so the late steps' large, noisy
+    scores dominate an unweighted gradient (measured: scripts/grad_snr.py, docs/rl_gpu.md).
+    """
+    low, high = kstar_bounds(K, 1, high)
+    c = logp_sensitivity(K, a, shift)
+    w = torch.zeros(K, dtype=torch.float64)
+    w[low : high + 1] = 1.0 / c[low : high + 1]
+    return (w / w[low : high + 1].mean()).float()
+
+
 def _bcast(t: Tensor, like: Tensor) -> Tensor:
     """[B] (or scalar) -> broadcastable against like [B, ...]."""
     t = torch.as_tensor(t, device=like.device)
