@@ -110,3 +110,66 @@ def test_optimizer_state_roundtrip() -> None:
         o.step()
     torch.testing.assert_close(w2, w)
     torch.testing.assert_close(b2, b)
+
+
+def test_ppo_loss_weights_each_sample_of_the_surrogate() -> None:
+    new, old = _logps(RATIOS)
+    adv = torch.tensor(ADVS, dtype=torch.float64)
+    w = torch.tensor([0.5, 2.0, 1.0, 0.25, 3.0, 1.5, 0.1], dtype=torch.float64)
+    loss, _ = ppo_loss(new, old, adv, 0.2, 0.2, weight=w)
+    terms = [min(r * a, min(max(r, 0.8), 1.2) * a) for r, a in zip(RATIOS, ADVS, strict=True)]
+    assert float(loss) == pytest.approx(
+        -sum(float(wi) * t for wi, t in zip(w, terms, strict=True)) / 7, rel=1e-9
+    )
+
+
+def test_step_weights_are_the_inverse_sensitivity_scaled_to_mean_one() -> None:
+    from wamrl.sampler import step_weights
+
+    K, a, s = 8, 0.5, 5.0
+    # by hand: sigma_k = s u / (1 + (s - 1) u), u = 1 - k/K; g = a sqrt(sigma / (1 - sigma));
+    # c_k = sqrt(sigma_k - sigma_{k+1}) (1 + a^2/2) / g_k; w_k = (1/c_k) / mean_{1..6}(1/c_j)
+    sig = [s * (1 - k / K) / (1 + (s - 1) * (1 - k / K)) for k in range(K + 1)]
+    c = [math.sqrt(sig[k] - sig[k + 1]) * (1 + a * a / 2) / (a * math.sqrt(sig[k] / (1 - sig[k])))
+         for k in range(1, 7)]  # fmt: skip
+    inv = [1 / x for x in c]
+    expected = [0.0] + [x / (sum(inv) / 6) for x in inv] + [0.0]
+    w = step_weights(K, a, s, high=6)
+    assert w.tolist() == pytest.approx(expected, rel=1e-5)
+    assert float(w[1:7].mean()) == pytest.approx(1.0, rel=1e-6)
+    assert w[1] / w[6] == pytest.approx(c[5] / c[0], rel=1e-5)  # ~11x: the late step's noise
+    assert step_weights(K, a, s)[7] > 0  # high defaults to K - 1
+
+
+def test_a_weighted_update_is_the_update_on_weighted_advantages() -> None:
+    """At ratio 1 (the first step) the gradient of -mean(w min(rho A, clip rho A)) is that of
+    -mean(rho w A): one SGD step with actor.step_weight equals one without it on advantages
+    multiplied by step_weights[k*], and differs from the unweighted step."""
+    import copy
+
+    from tests.helpers import ONE_LAYER_TINY, make_tiny_policy
+    from tests.test_ddp import _cfg, _data
+    from wamrl import ppo
+    from wamrl.sampler import step_weights
+
+    data = _data()
+    cfg = _cfg(epochs=1, minibatch=len(data), micro_batch=len(data), grad_clip=1e9, ref_kl=0.0)
+
+    def step(d: ppo.ActorData, weight: str) -> list[torch.Tensor]:
+        policy = make_tiny_policy(config=ONE_LAYER_TINY)
+        params = policy.parameter_groups()["actor"]
+        c = copy.deepcopy(cfg)
+        c["actor"]["step_weight"] = weight
+        ppo.actor_update(policy, None, d, c, torch.optim.SGD(params, lr=1e-3), seed=7)
+        return [p.detach().clone() for p in params]
+
+    scaled = copy.copy(data)
+    scaled.adv = data.adv * step_weights(data.K, data.noise_a, data.shift).numpy()[data.k_star]
+    weighted, by_adv, plain = (
+        step(data, "inv_sensitivity"),
+        step(scaled, "none"),
+        step(data, "none"),
+    )
+    for a, b in zip(weighted, by_adv, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(weighted, plain, strict=True))
