@@ -24,11 +24,10 @@ import numpy as np
 import torch
 
 from wamrl import paths
-from wamrl.artifact import load_tensors, read_json
-from wamrl.config import RolloutSection, section
+from wamrl.artifact import load_tensors
 from wamrl.contract import ACTION_DIM, CHUNK_LEN
 from wamrl.policy.base import Policy
-from wamrl.ppo import learner_pass, load_actor_data
+from wamrl.ppo import learner_pass, load_iteration
 from wamrl.sampler import gaussian_kl, sample_chunk
 
 
@@ -39,14 +38,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=512, help="kept steps measured (the first N)")
     args = ap.parse_args()
     from wamrl.policy import load_policy
-    from wamrl.policy.text import load_contexts
 
     run, n = args.run_dir, args.iteration
-    cfg = read_json(paths.reward_done(run, n))["config"]
+    _, _, data = load_iteration(run, n)
     prev_dir = paths.policy_dir(run, n - 1)
-    context, mask = load_contexts(prev_dir / paths.CONTEXT_FILE)
-    shards = paths.shard_paths(run, n, section(cfg, RolloutSection).workers)
-    data = load_actor_data(shards, context, mask, cfg)
     parts = {
         "actor": load_tensors(paths.actor_dir(run, n) / paths.ACTOR_FILE),
         "world_model": load_tensors(paths.world_model_dir(run, n) / paths.LORA_FILE),

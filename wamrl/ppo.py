@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -570,3 +571,18 @@ def load_actor_data(
         groups_kept=groups_kept,
         groups_total=groups_total,
     )
+
+
+def load_iteration(run_dir: Path, iteration: int) -> tuple[dict[str, Any], list[Path], ActorData]:
+    """What iteration n's actor trained on, for offline analysis (scripts/update_split.py,
+    scripts/grad_snr.py): (the config its rewards were made under, its shard paths, its kept
+    steps with policy n-1's task contexts)."""
+    from wamrl import paths
+    from wamrl.artifact import read_json
+    from wamrl.config import RolloutSection, section
+    from wamrl.policy.text import load_contexts
+
+    cfg = read_json(paths.reward_done(run_dir, iteration))["config"]
+    context, mask = load_contexts(paths.policy_dir(run_dir, iteration - 1) / paths.CONTEXT_FILE)
+    shards = paths.shard_paths(run_dir, iteration, section(cfg, RolloutSection).workers)
+    return cfg, shards, load_actor_data(shards, context, mask, cfg)
