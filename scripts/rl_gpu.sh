@@ -11,7 +11,8 @@
 # with NVIDIA EGL, export __EGL_VENDOR_LIBRARY_FILENAMES (the device README says how).
 # The code runs from a copy (RUN_DIR/.src), so editing the checkout cannot change a
 # running job. TARGETS (default: iteration 0's and the last iteration's eval) and
-# EXTRA_CONFIG (a YAML file merged over configs/rl_gpu.yaml) may be set.
+# EXTRA_CONFIG (a YAML file merged over configs/rl_gpu.yaml) may be set; FOREGROUND=1 waits
+# for Snakemake and returns its exit status (scripts/ablate_gpu.sh runs variants so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run=$(realpath -m "$1")
@@ -44,6 +45,10 @@ extra=${EXTRA_CONFIG:+$(realpath "$EXTRA_CONFIG")}
 cd "$run"
 # No --resources gpu: on one GPU, the tiny model's world-model job runs beside reward and
 # actor (serialising them costs ~30 s per iteration). --rerun-incomplete: a restart resumes.
-setsid nohup python3 -m snakemake --snakefile .src/Snakefile --cores "$(nproc)" --rerun-incomplete \
-  --configfile .src/configs/rl_gpu.yaml ${extra:+"$extra"} -- $targets >"$run/snakemake.log" 2>&1 &
+cmd=(python3 -m snakemake --snakefile .src/Snakefile --cores "$(nproc)" --rerun-incomplete
+  --configfile .src/configs/rl_gpu.yaml ${extra:+"$extra"} -- $targets)
+if [[ ${FOREGROUND:-0} == 1 ]]; then
+  exec "${cmd[@]}" >"$run/snakemake.log" 2>&1
+fi
+setsid nohup "${cmd[@]}" >"$run/snakemake.log" 2>&1 &
 echo "started: $targets in $run (log: $run/snakemake.log)"

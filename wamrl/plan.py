@@ -92,10 +92,10 @@ def rollout_plan(
 ) -> list[EpisodeSpec]:
     """All episodes of the iteration, group by group (G consecutive specs share task and init).
 
-    draw: how the groups' tasks are drawn from task_weights: "systematic" (systematic_draw,
-    the default since stores record attrs.plan.draw) or "independent" (one draw per group,
-    with replacement: at 10 groups and 10 tasks an iteration saw 5 to 8 of them; stores
-    without attrs.plan.draw were planned so).
+    draw: how the groups' tasks are drawn from task_weights: "systematic" (systematic_draw;
+    make_plan's, recorded in attrs.plan.draw) or "independent" (one draw per group, with
+    replacement: at 10 groups and 10 tasks an iteration saw 5 to 8 of them; the plan of
+    stores without attrs.plan.draw).
     Each episode gets its own noise seed from (seed, iteration, group, member), so its x_0,
     k* and SDE noise do not depend on which env or batch it runs in (wamrl.rollout)."""
     r = cfg["rollout"]

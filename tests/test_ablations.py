@@ -1,0 +1,43 @@
+"""configs/ablations: each variant validates over the GPU recipe and changes exactly what its
+README row says; scripts/ablate_gpu.sh refuses an unknown variant before it starts anything."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from wamrl.config import load_config
+
+ROOT = Path(__file__).parents[1]
+ABL = ROOT / "configs" / "ablations"
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_the_script_runs_every_variant_and_each_changes_one_thing() -> None:
+    names = re.search(r"names=\((recipe[^)]*)\)", (ROOT / "scripts/ablate_gpu.sh").read_text())
+    assert names, "ablate_gpu.sh lists its default variants"
+    variants = names.group(1).split()[1:]
+    assert sorted(variants) == sorted(p.stem for p in ABL.glob("*.yaml"))
+    recipe = _flat(load_config([ROOT / "configs/rl_gpu.yaml"]))
+    for name in variants:
+        cfg = _flat(load_config([ROOT / "configs/rl_gpu.yaml", ABL / f"{name}.yaml"]))
+        changed = {k for k in recipe if cfg[k] != recipe[k]}
+        assert len(changed) == 1, f"{name}: {changed}"
+        assert f"`{changed.pop()}:" in (ABL / "README.md").read_text(), name
+
+
+def test_an_unknown_variant_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "abl"
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts/ablate_gpu.sh"), str(out), "2", "beta0", "nope"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "configs/ablations/nope.yaml" in r.stderr
+    assert not out.exists()
