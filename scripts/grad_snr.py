@@ -9,7 +9,8 @@ halves' gradients: near 0 means the halves disagree and a step fits noise, not t
 (for a gradient with signal s and per-half noise of variance v, E cos ~ |s|^2 / (|s|^2 + v)).
 It also gives each k*'s share of |g|^2 (which denoising step drives the update), and the
 same cosines for success-only advantages (the group-normalised success of each episode, β = 0
-with no per-step credit), to tell whether the reconstruction term adds signal or noise, and
+with no per-step credit), the cosine of one half's stored-advantage gradient with the other
+half's success-only one (does the reward point where success on unseen groups does?), and
 per k* the share of the action's variance that the SDE step makes (the rest is x_0's).
 """
 
@@ -34,7 +35,8 @@ def group_of(data: ActorData, shards: list[Path]) -> np.ndarray:
 
 
 def success_advantage(data: ActorData, shards: list[Path], G: int) -> np.ndarray:
-    """Each step's episode success, normalised within its group (mean 0, std 1)."""
+    """Each step's episode success, normalised within its group (mean 0, std 1; a store holds
+    its episodes group by group, G each, as the rollout plan writes them)."""
     succ = [store.read_episode_table(store.open_store(p))["success"].astype(float) for p in shards]
     out = np.zeros(len(data))
     for w, s in enumerate(succ):
