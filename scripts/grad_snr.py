@@ -28,19 +28,21 @@ from wamrl.ppo import ActorData, _transition, load_iteration
 from wamrl.sampler import logp_sensitivity, sigma_schedule
 
 
-def group_of(data: ActorData, shards: list[Path]) -> np.ndarray:
+def episode_tables(shards: list[Path]) -> list[dict[str, np.ndarray]]:
+    return [store.read_episode_table(store.open_store(p)) for p in shards]
+
+
+def group_of(data: ActorData, tables: list[dict[str, np.ndarray]]) -> np.ndarray:
     """A run-wide group id per kept step (shard, the episode's group)."""
-    groups = [store.read_episode_table(store.open_store(p))["group"] for p in shards]
-    return np.array([w * 10**6 + int(groups[w][e]) for w, e in data.where[:, :2]])
+    return np.array([w * 10**6 + int(tables[w]["group"][e]) for w, e in data.where[:, :2]])
 
 
-def success_advantage(data: ActorData, shards: list[Path], G: int) -> np.ndarray:
+def success_advantage(data: ActorData, tables: list[dict[str, np.ndarray]], G: int) -> np.ndarray:
     """Each step's episode success, normalised within its group (mean 0, std 1; a store holds
     its episodes group by group, G each, as the rollout plan writes them)."""
-    succ = [store.read_episode_table(store.open_store(p))["success"].astype(float) for p in shards]
     out = np.zeros(len(data))
-    for w, s in enumerate(succ):
-        z = s.reshape(-1, G)
+    for w, table in enumerate(tables):
+        z = table["success"].astype(float).reshape(-1, G)
         z = (z - z.mean(1, keepdims=True)) / (z.std(1, keepdims=True) + 1e-6)
         rows = data.where[:, 0] == w
         out[rows] = z.reshape(-1)[data.where[rows, 1]]
@@ -111,9 +113,10 @@ def main() -> None:
     cfg, shards, data = load_iteration(run, n)
     prev_dir = paths.policy_dir(run, n - 1)
     G = int(cfg["rollout"]["group_size"])
-    group = group_of(data, shards)
+    tables = episode_tables(shards)
+    group = group_of(data, tables)
     policy = load_policy(prev_dir, device="cpu").eval()
-    advs = {"stored": data.adv.astype(float), "success_only": success_advantage(data, shards, G)}
+    advs = {"stored": data.adv.astype(float), "success_only": success_advantage(data, tables, G)}
     result: dict = {"iteration": n, "steps": len(data), "groups": int(np.unique(group).size)}
     kmax = cfg["sampler"].get("kstar_max") or data.K - 1
     result["sde_variance_share"] = {

@@ -44,12 +44,12 @@ def test_success_advantage_and_groups_by_hand(tmp_path: Path) -> None:
     ]
     # one step of each episode, (shard, episode, step), in another order than stored
     where = [(w, e, 1) for w in (1, 0) for e in (3, 0, 1, 2)]
-    adv = grad_snr.success_advantage(_steps(where), shards, G=2)
+    adv = grad_snr.success_advantage(_steps(where), grad_snr.episode_tables(shards), G=2)
     # within a group: (s - mean) / std = +-1 where the two differ, 0 where they agree
     expected = {(0, 0): 1, (0, 1): -1, (0, 2): 0, (0, 3): 0,
                 (1, 0): 0, (1, 1): 0, (1, 2): -1, (1, 3): 1}  # fmt: skip
     np.testing.assert_allclose(adv, [expected[w, e] for w, e, _ in where], atol=1e-5)
-    group = grad_snr.group_of(_steps(where), shards)
+    group = grad_snr.group_of(_steps(where), grad_snr.episode_tables(shards))
     # 4 groups run-wide: group 0 of shard 0 is not group 0 of shard 1
     assert len(set(group.tolist())) == 4
     assert group[where.index((1, 0, 1))] == group[where.index((1, 1, 1))]

@@ -406,6 +406,9 @@ def actor_update(
                 mu, std = _transition(policy, data, part, device, amp)
                 x_next = data.tensor("x_next", part, device).float()
                 logp_new = sampler.gaussian_log_prob(x_next, mu, std)
+                sample_weight = None  # per-sample weights from each sample's k*
+                if step_weight is not None:
+                    sample_weight = step_weight[data.tensor("k_star", part, device)]
                 kl_ref = None
                 if ref_policy is not None and ref_kl != 0.0:
                     with torch.no_grad():
@@ -419,9 +422,7 @@ def actor_update(
                     float(acfg["clip_high"]),
                     kl_ref=kl_ref,
                     ref_kl=ref_kl,
-                    weight=None
-                    if step_weight is None
-                    else step_weight[data.tensor("k_star", part, device)],
+                    weight=sample_weight,
                 )
                 if not torch.isfinite(loss):
                     raise NonFiniteError(
