@@ -72,6 +72,32 @@ def test_group_advantages_zero_mean_unit_std_over_live_members() -> None:
     assert (adv[~valid] == 0).all()
 
 
+def test_group_advantages_episode_scale_is_the_whole_episode_spread() -> None:
+    """scale="episode": the same per-step mean, divided by each group's std of R_0."""
+    rng = np.random.default_rng(3)
+    E, T = 7, 6
+    returns = rng.normal(size=(E, T)).astype(np.float32)
+    lengths = np.array([6, 3, 5, 6, 1, 4, 2])
+    valid = np.arange(T)[None, :] < lengths[:, None]
+    group = np.array([0, 0, 0, 0, 1, 1, 1])
+    adv = A.group_advantages(returns, valid, group, eps=0.0, scale="episode")
+    step = A.group_advantages(returns, valid, group, eps=0.0)
+    for g in (0, 1):
+        s0 = returns[group == g, 0].astype(np.float64).std()
+        for t in range(T):
+            live = (group == g) & valid[:, t]
+            if live.sum() < 2:
+                assert np.all(adv[live, t] == 0.0)
+                continue
+            R = returns[live, t].astype(np.float64)
+            np.testing.assert_allclose(adv[live, t], (R - R.mean()) / s0, rtol=1e-5)
+            # The same ranking and signs as scale="step": only the size differs.
+            assert (np.sign(adv[live, t]) == np.sign(step[live, t])).all()
+    assert (adv[~valid] == 0).all()
+    with pytest.raises(ValueError, match="reward.adv_scale"):
+        A.group_advantages(returns, valid, group, scale="batch")  # type: ignore[arg-type]
+
+
 def test_group_advantages_eps_and_two_members() -> None:
     returns = np.array([[1.0], [3.0]])
     adv = A.group_advantages(returns, np.ones((2, 1), bool), np.array([5, 5]), eps=1e-6)
@@ -144,6 +170,7 @@ def test_compute_advantages_joins_a_group_split_over_shards() -> None:
         "rec_clip": 3.0,
         "filter": "all_same",
         "zero_spread_eps": 1e-6,
+        "adv_scale": "step",
     }
     res = compute_advantages([s0, s1], cfg)
 

@@ -60,6 +60,25 @@ def test_success_dominates_long_failures(z_fail: float) -> None:
     assert A.success_dominates(BETA, GAMMA, CLIP, T_STORE)
 
 
+def test_episode_scale_keeps_reconstruction_advantages_small_after_successes_end() -> None:
+    """Steps 36..39: the success has ended and three failures differ only by r~^rec. Per-step
+    scaling makes that difference +-1.2, as large as success against failure; scaling by
+    the spread of whole-episode returns keeps it below 2 * B(T) / std(R_0)."""
+    valid, r_task, z = worst_case_group(0.0)
+    z[1:] = np.where(valid[1:], np.array([[-1.0], [0.0], [1.0]]), 0.0)  # failures' z-scores
+    gamma = np.full(4, GAMMA)
+    R = A.discounted_returns(A.combine(r_task, z, BETA, gamma, CLIP), valid, gamma)
+    step = A.group_advantages(R, valid, np.zeros(4, int))
+    episode = A.group_advantages(R, valid, np.zeros(4, int), scale="episode")
+    late = slice(SUCCESS_STEP + 1, T_STORE)
+    np.testing.assert_allclose(np.abs(step[1:, late]).max(axis=0), np.sqrt(1.5), rtol=5e-3)  # up to eps
+    bound = 2 * BETA * CLIP * (1 - GAMMA**T_STORE) / R[:, 0].astype(np.float64).std()
+    assert np.abs(episode[1:, late]).max() < 0.02 < bound
+    # While the success is alive it still stands out: A_success > 1 > every failure's A.
+    early = slice(0, SUCCESS_STEP + 1)
+    assert (episode[0, early] > 1.0).all() and (episode[1:, early] < 0).all()
+
+
 def test_old_formula_lets_failures_outweigh_success() -> None:
     """r = r^task + beta * r~^rec (no (1 - gamma), no clip) fails the same check."""
     valid, r_task, z = worst_case_group(3.0)
@@ -146,6 +165,7 @@ def _rcfg(**kw: Any) -> dict[str, Any]:
         "rec_clip": CLIP,
         "filter": "all_same",
         "zero_spread_eps": 1e-6,
+        "adv_scale": "step",
     }
     return {**cfg, **kw}
 

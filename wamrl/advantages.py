@@ -138,14 +138,27 @@ def discounted_returns(reward: np.ndarray, valid: np.ndarray, gamma: np.ndarray)
     return np.where(valid, out, 0.0).astype(np.float32)
 
 
-def group_advantages(
-    returns: np.ndarray, valid: np.ndarray, group: np.ndarray, eps: float = 1e-6
-) -> np.ndarray:
-    """A_{i,t} = (R_{i,t} - mean_j R_{j,t}) / (std_j R_{j,t} + eps) over the group's live members.
+AdvScale = Literal["step", "episode"]
 
-    The statistics at step t use only the group's episodes whose step t is valid (an
-    episode that ended is no longer part of the comparison). std is the population std
-    (ddof = 0), so with two live members the advantages are exactly +-1 (up to eps).
+
+def group_advantages(
+    returns: np.ndarray,
+    valid: np.ndarray,
+    group: np.ndarray,
+    eps: float = 1e-6,
+    scale: AdvScale = "step",
+) -> np.ndarray:
+    """A_{i,t} = (R_{i,t} - mean_j R_{j,t}) / (s + eps) over the group's live members.
+
+    The mean at step t uses only the group's episodes whose step t is valid (an episode
+    that ended is no longer part of the comparison). s, the population std (ddof = 0):
+      step:    std_j R_{j,t} over the members alive at t (docs/design.md's formula; with two
+               live members the advantages are exactly +-1, up to eps);
+      episode: std_j R_{j,0}, the spread of the group's whole-episode returns, one per group.
+    Why `episode`: once a group's successes have ended, the failures still alive differ only
+    by their reconstruction returns (at most beta * rec_clip apart), and `step` scales those
+    differences up to +-1, as large as success against failure. `episode` keeps them at their
+    size next to the success spread; the step's ranking and sign are the same as `step`'s.
     A = 0 on padding and where fewer than two members are alive (nothing to compare).
     """
     valid = valid.astype(bool)
@@ -157,9 +170,15 @@ def group_advantages(
         Rg, vg = R[members], valid[members]  # [M, T]
         n = vg.sum(axis=0)  # live members per step
         mean = np.where(vg, Rg, 0.0).sum(axis=0) / np.maximum(n, 1)
-        var = np.where(vg, (Rg - mean) ** 2, 0.0).sum(axis=0) / np.maximum(n, 1)
+        if scale == "step":
+            std = np.sqrt(np.where(vg, (Rg - mean) ** 2, 0.0).sum(axis=0) / np.maximum(n, 1))
+        elif scale == "episode":
+            R0 = Rg[vg[:, 0], 0]  # an episode that exists has its step 0
+            std = np.full(mean.shape, R0.std() if R0.size else 0.0)
+        else:
+            raise ValueError(f"reward.adv_scale: {scale!r} is not one of step, episode")
         with np.errstate(divide="ignore", invalid="ignore"):  # masked just below
-            a = (Rg - mean) / (np.sqrt(var) + eps)
+            a = (Rg - mean) / (std + eps)
         adv[members] = np.where(vg & (n >= 2), a, 0.0)
     return adv.astype(np.float32)
 

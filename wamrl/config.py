@@ -353,6 +353,7 @@ class RewardSection:
     world_model: str  # live | frozen
     imagine_steps: int
     imagine_batch: int
+    adv_scale: str  # step | episode
     filter: str
     zero_spread_eps: float
 

@@ -249,10 +249,11 @@ def compute_advantages(shards: list[ShardRewardInputs], rcfg: dict[str, Any]) ->
     reward = np.where(valid, A.combine(r_task, r_rec_norm, beta, gamma, clip), 0.0)
     reward = reward.astype(np.float32)
     returns = A.discounted_returns(reward, valid, gamma)
-    adv = A.group_advantages(returns, compared, group)
+    scale = rcfg["adv_scale"]
+    adv = A.group_advantages(returns, compared, group, scale=scale)
     # The same advantages without the reconstruction term, to report its share.
     returns_task = A.discounted_returns(np.where(valid, r_task, 0.0), valid, gamma)
-    adv_beta0 = A.group_advantages(returns_task, compared, group)
+    adv_beta0 = A.group_advantages(returns_task, compared, group, scale=scale)
     kept = np.zeros(group.shape[0], dtype=bool)
     ok = ~crashed
     kept_ok = A.degenerate_groups(
@@ -299,6 +300,7 @@ def compute_advantages(shards: list[ShardRewardInputs], rcfg: dict[str, Any]) ->
         "rec_std": std,
         "rec_clipped_share": float((np.abs(z) > clip).mean()) if z.size else 0.0,
         "rec_advantage_share": rec_advantage_share(adv, adv_beta0, defined),
+        "adv_scale": scale,
         "filter": rcfg["filter"],
         "groups_kept": groups_kept,
         "groups_total": groups_total,
