@@ -71,7 +71,9 @@ def test_episode_scale_keeps_reconstruction_advantages_small_after_successes_end
     step = A.group_advantages(R, valid, np.zeros(4, int))
     episode = A.group_advantages(R, valid, np.zeros(4, int), scale="episode")
     late = slice(SUCCESS_STEP + 1, T_STORE)
-    np.testing.assert_allclose(np.abs(step[1:, late]).max(axis=0), np.sqrt(1.5), rtol=5e-3)  # up to eps
+    np.testing.assert_allclose(
+        np.abs(step[1:, late]).max(axis=0), np.sqrt(1.5), rtol=5e-3
+    )  # up to eps
     bound = 2 * BETA * CLIP * (1 - GAMMA**T_STORE) / R[:, 0].astype(np.float64).std()
     assert np.abs(episode[1:, late]).max() < 0.02 < bound
     # While the success is alive it still stands out: A_success > 1 > every failure's A.
