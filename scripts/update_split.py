@@ -1,6 +1,7 @@
 """Which half of an iteration's update moved the policy: the actor's or the world model's?
 
     python scripts/update_split.py RUN_DIR ITERATION [--steps 512]
+    python scripts/update_split.py RUN_DIR ITERATION --from POLICY_DIR --to POLICY_DIR
 
 Merge puts two updates into iter_n/policy: the action expert (actor stage, trained with
 iter_{n-1}'s video expert and held to actor.target_kl) and the video expert's LoRA (world-model
@@ -12,6 +13,10 @@ metrics' `kl`), from policy n-1 to (a) n-1 + the actor tensors, (b) n-1 + the Lo
 tensors, (c) policy n, overall and per k*; and what eval sees: the RMS change of the
 deterministic action chunk (a = 0, the rollout's K, the same x_0 per step), in normalised
 action units (min/max-normalised to [-1, 1]).
+
+With --from/--to, the same split for the change between any two policies (e.g. the base and
+policy 8: what eight iterations of each half did together), measured on iteration n's steps:
+the actor and world-model tensors are `to`'s parameter groups, put into `from`.
 """
 
 from __future__ import annotations
@@ -31,21 +36,37 @@ from wamrl.ppo import learner_pass, load_iteration
 from wamrl.sampler import gaussian_kl, sample_chunk
 
 
+def policy_halves(policy: Policy) -> dict[str, dict[str, torch.Tensor]]:
+    """The policy's trainable tensors by parameter group (actor, world_model), by name."""
+    names = {id(p): name for name, p in policy.named_parameters()}
+    return {
+        group: {names[id(p)]: p.detach().clone() for p in params}
+        for group, params in policy.parameter_groups().items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("iteration", type=int)
     ap.add_argument("--steps", type=int, default=512, help="kept steps measured (the first N)")
+    ap.add_argument("--from", dest="src", type=Path, help="a policy dir (default: policy n-1)")
+    ap.add_argument("--to", type=Path, help="a policy dir whose two halves are measured")
     args = ap.parse_args()
     from wamrl.policy import load_policy
 
     run, n = args.run_dir, args.iteration
     _, _, data = load_iteration(run, n)
-    prev_dir = paths.policy_dir(run, n - 1)
-    parts = {
-        "actor": load_tensors(paths.actor_dir(run, n) / paths.ACTOR_FILE),
-        "world_model": load_tensors(paths.world_model_dir(run, n) / paths.LORA_FILE),
-    }
+    if (args.src is None) != (args.to is None):
+        ap.error("--from and --to go together")
+    prev_dir = args.src or paths.policy_dir(run, n - 1)
+    if args.to is not None:
+        parts = policy_halves(load_policy(args.to, device="cpu"))
+    else:
+        parts = {
+            "actor": load_tensors(paths.actor_dir(run, n) / paths.ACTOR_FILE),
+            "world_model": load_tensors(paths.world_model_dir(run, n) / paths.LORA_FILE),
+        }
 
     def policy_with(*names: str) -> Policy:
         policy = load_policy(prev_dir, device="cpu")
@@ -73,7 +94,8 @@ def main() -> None:
 
     mu0, std, act0 = measure()
     k = data.k_star[: len(mu0)]
-    result = {"iteration": n, "steps": int(len(mu0))}
+    result = {"iteration": n, "steps": int(len(mu0)), "from": str(prev_dir),
+              "to": str(args.to or f"policy {n}")}  # fmt: skip
     for label, names in (("actor", ("actor",)), ("world_model", ("world_model",)),
                          ("both", ("actor", "world_model"))):  # fmt: skip
         mu, _, act = measure(*names)
