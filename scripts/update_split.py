@@ -12,7 +12,10 @@ KL of the SDE step, sum (mu - mu_{n-1})^2 / (2 std^2) (sampler.gaussian_kl, the 
 metrics' `kl`), from policy n-1 to (a) n-1 + the actor tensors, (b) n-1 + the LoRA
 tensors, (c) policy n, overall and per k*; and what eval sees: the RMS change of the
 deterministic action chunk (a = 0, the rollout's K, the same x_0 per step), in normalised
-action units (min/max-normalised to [-1, 1]).
+action units (min/max-normalised to [-1, 1]). `both` also splits that change by denoising
+step (`action_rms_change_by_step`): the chain run with the new policy at step k alone, the
+old one at every other step. The deterministic steps (k = 0 and, with sampler.kstar_max,
+the last) show up there and in no KL.
 
 With --from/--to, the same split for the change between any two policies (e.g. the base and
 policy 8: what eight iterations of each half did together), measured on iteration n's steps:
@@ -23,17 +26,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from wamrl import paths
 from wamrl.artifact import load_tensors
 from wamrl.contract import ACTION_DIM, CHUNK_LEN
 from wamrl.policy.base import Policy
 from wamrl.ppo import learner_pass, load_iteration
-from wamrl.sampler import gaussian_kl, sample_chunk
+from wamrl.sampler import gaussian_kl, ode_step, sample_chunk, sigma_schedule
 
 
 def policy_halves(policy: Policy) -> dict[str, dict[str, torch.Tensor]]:
@@ -43,6 +49,27 @@ def policy_halves(policy: Policy) -> dict[str, dict[str, torch.Tensor]]:
         group: {names[id(p)]: p.detach().clone() for p in params}
         for group, params in policy.parameter_groups().items()
     }
+
+
+@torch.no_grad()
+def ode_chain_swapped(
+    old: Policy,
+    new: Policy,
+    caches: tuple[Any, Any],
+    x0: Tensor,
+    K: int,
+    shift: float,
+    swap: Callable[[int], bool],
+) -> Tensor:
+    """The final x of the a = 0 chain from x0 with `new`'s velocity at the steps k where
+    swap(k), `old`'s elsewhere; caches: (old's, new's) prefilled caches."""
+    sigmas = sigma_schedule(K, shift)
+    x = x0
+    for k in range(K):
+        policy, cache = (new, caches[1]) if swap(k) else (old, caches[0])
+        v = policy.velocity(cache, x, sigmas[k].expand(x.shape[0]))
+        x = ode_step(x, v, sigmas[k], sigmas[k + 1])
+    return x
 
 
 def main() -> None:
@@ -109,6 +136,21 @@ def main() -> None:
             # the gripper (last dim) acts by its sign: chunk entries whose sign flipped
             "gripper_sign_flips": float((np.sign(act[..., -1]) != np.sign(act0[..., -1])).mean()),
         }
+    old, new = policy_with(), policy_with("actor", "world_model")
+    sq = np.zeros(data.K)
+    for start in range(0, len(mu0), 64):
+        idx = np.arange(start, min(start + 64, len(mu0)))
+        obs = data.obs(idx, "cpu")
+        caches = (old.prefill(obs), new.prefill(obs))
+        x0 = torch.randn(
+            len(idx), CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(start)
+        )
+        ref = ode_chain_swapped(old, new, caches, x0, data.K, data.shift, lambda k: False)
+        for step in range(data.K):
+            x = ode_chain_swapped(old, new, caches, x0, data.K, data.shift,
+                                  lambda k, s=step: k == s)  # fmt: skip
+            sq[step] += float(((x - ref) ** 2).mean((1, 2)).sum())
+    result["both"]["action_rms_change_by_step"] = np.sqrt(sq / len(mu0)).round(4).tolist()
     print(json.dumps(result, indent=1))
 
 

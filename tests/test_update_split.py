@@ -34,3 +34,46 @@ def test_policy_halves_carry_each_group_and_nothing_else() -> None:
     assert changed == set(halves["world_model"])  # the LoRA moved; the actor did not
     assert all("lora" in k for k in changed)
     assert not changed & set(halves["actor"])
+
+
+class _Constant:
+    """A velocity field that is c everywhere (a test double for the chain's arithmetic)."""
+
+    def __init__(self, c: float) -> None:
+        self.c = c
+
+    def velocity(self, cache: object, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(x, self.c)
+
+
+def test_swapping_one_step_moves_the_chunk_by_that_steps_velocity_times_its_size() -> None:
+    from wamrl.sampler import sigma_schedule
+
+    K, shift = 8, 5.0
+    sigmas = sigma_schedule(K, shift)
+    x0 = torch.randn(3, 32, 7, generator=torch.Generator().manual_seed(0))
+    old, new = _Constant(0.0), _Constant(0.5)
+    for step in (0, 3, K - 1):
+        x = update_split.ode_chain_swapped(old, new, (None, None), x0, K, shift,
+                                           lambda k, s=step: k == s)  # fmt: skip
+        # x_K = x_0 + sum_k v_k (sigma_{k+1} - sigma_k): only step `step` has v = 0.5
+        expected = x0 + 0.5 * (sigmas[step + 1] - sigmas[step])
+        torch.testing.assert_close(x, expected)
+
+
+def test_swapped_chain_is_the_old_or_the_new_policys_ode_chunk() -> None:
+    from tests.helpers import make_obs
+    from wamrl.sampler import sample_chunk
+
+    old, new = make_tiny_policy().eval(), make_tiny_policy(perturb="sharp").eval()
+    obs = make_obs()
+    caches = (old.prefill(obs), new.prefill(obs))
+    x0 = torch.randn(2, 32, 7, generator=torch.Generator().manual_seed(1))
+    ends = []
+    for policy, swap in ((old, lambda k: False), (new, lambda k: True)):
+        x = update_split.ode_chain_swapped(old, new, caches, x0, 8, 5.0, swap)
+        want = sample_chunk(policy, policy.prefill(obs), 2, 8, 0.0, 5.0, None, x0=x0).chain[:, -1]
+        torch.testing.assert_close(x, want)
+        ends.append(x)
+    mixed = update_split.ode_chain_swapped(old, new, caches, x0, 8, 5.0, lambda k: k == 7)
+    assert not torch.allclose(mixed, ends[0]) and not torch.allclose(mixed, ends[1])
