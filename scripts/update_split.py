@@ -51,6 +51,11 @@ def policy_halves(policy: Policy) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def chunk_noise(start: int, n: int) -> Tensor:
+    """x_0 of the batch of steps from `start` on: the same for every policy measured."""
+    return torch.randn(n, CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(start))
+
+
 @torch.no_grad()
 def ode_chain_swapped(
     old: Policy,
@@ -106,9 +111,7 @@ def main() -> None:
         out = []
         for start in range(0, args.steps, 64):
             idx = np.arange(start, min(start + 64, args.steps, len(data)))
-            x0 = torch.randn(
-                len(idx), CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(start)
-            )
+            x0 = chunk_noise(start, len(idx))
             res = sample_chunk(policy, policy.prefill(data.obs(idx, "cpu")), len(idx), data.K, 0.0,
                                data.shift, None, x0=x0)  # fmt: skip
             out.append(res.chain[:, -1].numpy())
@@ -142,10 +145,7 @@ def main() -> None:
         idx = np.arange(start, min(start + 64, len(mu0)))
         obs = data.obs(idx, "cpu")
         caches = (old.prefill(obs), new.prefill(obs))
-        x0 = torch.randn(
-            len(idx), CHUNK_LEN, ACTION_DIM, generator=torch.Generator().manual_seed(start)
-        )
-        ref = ode_chain_swapped(old, new, caches, x0, data.K, data.shift, lambda k: False)
+        x0, ref = chunk_noise(start, len(idx)), torch.from_numpy(act0[idx])  # the all-old chain
         for step in range(data.K):
             x = ode_chain_swapped(old, new, caches, x0, data.K, data.shift,
                                   lambda k, s=step: k == s)  # fmt: skip

@@ -1,5 +1,6 @@
-"""scripts/update_split.py's --from/--to halves: the actor and world-model tensors of one
-policy, by name, that move another policy's two halves and nothing else."""
+"""scripts/update_split.py's pieces: the --from/--to halves (one policy's actor and
+world-model tensors, by name, that move another policy's two halves and nothing else) and
+the chain with one policy's velocity at chosen steps, against x_K = x_0 + sum v_k dsigma_k."""
 
 from __future__ import annotations
 
