@@ -13,6 +13,15 @@
 # it with this command's config (defaults, --configfile, --config). Dry runs never write it.
 # Every job also keeps its output in logs/ (logs/iter_NNN/<rule>.log): Snakemake names that
 # file when a job fails, on a cluster too.
+#
+# Under a default storage provider (--default-storage-provider, profiles/kubernetes) the run
+# directory lives in storage: each job gets local copies of its declared inputs under
+# .snakemake/storage/<provider>/..., and its declared outputs are uploaded from there. A
+# stage then runs inside that local copy of the run dir (stage, run_dir_of) and sees only
+# what its rule declares, so the rules also declare there what a plain run leaves implicit:
+# the run's config (rule run_config), the previous actor's and world model's state, and
+# iteration 0's policy for actor.ref_kl; the reward rule uploads the reward/ groups its
+# stage writes into its input shards (in_storage). docs/clusters.md "Under a storage provider".
 import sys
 from pathlib import Path
 
@@ -49,11 +58,28 @@ if recorded is not None and (diff := config_diff(recorded, CFG, ignore=FREE_KEYS
     )
 
 
+STORAGE = workflow.storage_settings.default_storage_provider is not None
+
+
+def in_storage(path, local):
+    """The run dir's `path` in the default storage, with the local file or folder `local`
+    as its local copy: .store_object() uploads what Snakemake, which uploads a job's
+    declared outputs only, would not."""
+    prefix = (workflow.storage_settings.default_storage_prefix or "").rstrip("/")
+    query = f"{prefix}/{path}" if prefix else str(path)  # as Snakemake prefixes an input
+    obj = workflow.storage_registry.default_storage_provider.object(query)
+    obj.set_local_path(Path(local))
+    return obj
+
+
 onstart:
     # Not on a dry run (-n): only a run that starts jobs records its config. (Nor with
     # --no-hooks: do not use it on a new run dir, whose stages would read the defaults.)
     if not (RUN_CFG.is_file() and RUN_CFG.read_text() == dump(CFG)):
         write_text(RUN_CFG, dump(CFG))
+        # The stages read the stored copy (rule run_config makes the first): keep it the same.
+        if STORAGE and (stored_config := in_storage(RUN_CONFIG, RUN_CFG)).exists():
+            stored_config.store_object()
 
 W = CFG["rollout"]["workers"]
 GPU = 0 if CFG["device"] == "cpu" else 1
@@ -62,6 +88,39 @@ WAMRL = str(Path(sys.executable).with_name("wamrl")) if Path(sys.executable).wit
 wildcard_constraints:
     it=r"\d{3}",
     w=r"\d{3}",
+
+
+def run_dir_of(depth):
+    """params under a storage provider: `run`, the job's local copy of the run dir
+    (.snakemake/storage/...), `depth` levels above its first output; none in a plain run,
+    whose stages run in the run dir itself."""
+    if not STORAGE:
+        return {}
+    return {"run": lambda wc, output: str(Path(output[0]).parents[depth - 1])}
+
+
+def stored(*paths):
+    """Inputs declared under a storage provider only: files a stage reads that a plain run
+    finds in the run dir anyway. ancient(): they never make a finished job rerun."""
+    return [ancient(p) for p in paths] if STORAGE else []
+
+
+# Every stage reads the run's config (.wamrl/config.yaml, wamrl.cli.resolve).
+CONFIG_INPUT = stored(str(RUN_CONFIG))
+
+
+def stored_from_2(path):
+    """stored(path), {it} in it meaning iteration n-1, for iterations n >= 2 only (iteration
+    1 follows no update, and its previous policy is iteration 0's)."""
+    return lambda wc: stored(path.format(it=prev(wc))) if int(wc.it) > 1 else []
+
+
+def stage(args):
+    """A stage's shell command, its output kept in the job's log. Under a storage provider
+    it runs inside the job's local copy of the run dir (params.run, run_dir_of), so that the
+    paths a stage records (relative to its run dir) read as in a plain run."""
+    cmd = "{WAMRL} " + args + " --run-dir ."
+    return ("(cd {params.run:q} && " + cmd + ")" if STORAGE else cmd) + " 2>&1 | tee {log}"
 
 
 def prev(wc):
@@ -77,7 +136,11 @@ def policy_of(n):
 def base_inputs(base):
     if base is None:
         return []
-    return ["sft/policy"] if base == "sft" else [str(resolve_path(base) / "model.safetensors")]
+    if base == "sft":
+        return ["sft/policy"]
+    # local(): a file of this machine, not of the run's storage (under a storage provider
+    # without a shared filesystem, init then runs where Snakemake runs)
+    return [local(str(resolve_path(base) / "model.safetensors"))]
 
 
 def every_eval():
@@ -91,40 +154,62 @@ rule all:
         every_eval(),
 
 
+if STORAGE:
+
+    rule run_config:
+        # The stored copy of the run's config that the stages read (onstart keeps it in
+        # step with .wamrl/config.yaml here).
+        output:
+            str(RUN_CONFIG),
+        localrule: True
+        run:
+            write_text(Path(output[0]), dump(CFG))
+
+
 rule init:
     input:
         # policy.base_checkpoint: sft trains the base here first (demos -> sft).
         base_inputs(CFG["policy"]["base_checkpoint"]),
+        cfg=CONFIG_INPUT,
     output:
         directory("iter_000/policy"),
+    params:
+        **run_dir_of(2),
     log:
         "logs/iter_000/init.log",
     shell:
-        "{WAMRL} init --run-dir . 2>&1 | tee {log}"
+        stage("init")
 
 
 rule demos:
+    input:
+        cfg=CONFIG_INPUT,
     output:
         directory("demos/shard_{w}.zarr"),
     threads: 1
+    params:
+        **run_dir_of(2),
     log:
         "logs/demos/shard_{w}.log",
     shell:
-        "{WAMRL} demos --worker {wildcards.w} --run-dir . 2>&1 | tee {log}"
+        stage("demos --worker {wildcards.w}")
 
 
 rule sft:
     input:
         expand("demos/shard_{w:03d}.zarr", w=range(CFG["demos"]["workers"])),
+        cfg=CONFIG_INPUT,
     output:
         directory("sft/policy"),
         "sft/log.json",
     resources:
         gpu=GPU,
+    params:
+        **run_dir_of(2),
     log:
         "logs/sft.log",
     shell:
-        "{WAMRL} sft --run-dir . 2>&1 | tee {log}"
+        stage("sft")
 
 
 def previous_rollouts(wc):
@@ -138,30 +223,61 @@ rule rollout:
     input:
         policy=lambda wc: policy_of(prev(wc)),
         previous=previous_rollouts,
+        cfg=CONFIG_INPUT,
     output:
         directory("iter_{it}/rollouts/shard_{w}.zarr"),
     threads: CFG["rollout"]["envs_per_worker"]
     resources:
         gpu=GPU,
+    params:
+        **run_dir_of(3),
     log:
         "logs/iter_{it}/rollout_{w}.log",
     shell:
-        "{WAMRL} rollout --iter {wildcards.it} --worker {wildcards.w} --run-dir . 2>&1 | tee {log}"
+        stage("rollout --iter {wildcards.it} --worker {wildcards.w}")
 
 
-rule reward:
-    input:
-        shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
-        live=lambda wc: policy_of(prev(wc)),
-        frozen=policy_of("000"),
-    output:
-        "iter_{it}/reward.done",
-    resources:
-        gpu=GPU,
-    log:
-        "logs/iter_{it}/reward.log",
-    shell:
-        "{WAMRL} reward --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
+REWARD_INPUT = dict(
+    shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
+    live=lambda wc: policy_of(prev(wc)),
+    frozen=policy_of("000"),
+    cfg=CONFIG_INPUT,
+)
+
+if not STORAGE:
+
+    rule reward:
+        input:
+            **REWARD_INPUT,
+        output:
+            "iter_{it}/reward.done",
+        resources:
+            gpu=GPU,
+        log:
+            "logs/iter_{it}/reward.log",
+        shell:
+            stage("reward --iter {wildcards.it}")
+
+else:
+    # The stage writes reward/ into each shard, an input: here into the job's local copy,
+    # which Snakemake never uploads, so the rule does (a `run` job only under storage).
+
+    rule reward:
+        input:
+            **REWARD_INPUT,
+        output:
+            "iter_{it}/reward.done",
+        resources:
+            gpu=GPU,
+        params:
+            **run_dir_of(2),
+        log:
+            "logs/iter_{it}/reward.log",
+        run:
+            shell(stage("reward --iter {wildcards.it}"))
+            for shard in input.shards:
+                reward = Path(shard, "reward")
+                in_storage(reward.relative_to(params.run), reward).store_object()
 
 
 rule actor:
@@ -169,14 +285,21 @@ rule actor:
         "iter_{it}/reward.done",
         shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
         policy=lambda wc: policy_of(prev(wc)),
+        cfg=CONFIG_INPUT,
+        # Adam's state (and master weights) carried over from the previous actor
+        previous=stored_from_2("iter_{it}/actor"),
+        # actor.ref_kl: the KL to iteration 0's actor
+        ref=stored_from_2("iter_000/policy") if CFG["actor"]["ref_kl"] else [],
     output:
         directory("iter_{it}/actor"),
     resources:
         gpu=GPU * CFG["actor"]["devices"],  # actor.devices data-parallel ranks, a GPU each
+    params:
+        **run_dir_of(2),
     log:
         "logs/iter_{it}/actor.log",
     shell:
-        "{WAMRL} actor --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
+        stage("actor --iter {wildcards.it}")
 
 
 rule world_model:
@@ -185,14 +308,18 @@ rule world_model:
         shards=expand("iter_{{it}}/rollouts/shard_{w:03d}.zarr", w=range(W)),
         policy=lambda wc: policy_of(prev(wc)),
         frozen=policy_of("000"),
+        cfg=CONFIG_INPUT,
+        previous=stored_from_2("iter_{it}/world_model"),  # the carried Sigma estimates
     output:
         directory("iter_{it}/world_model"),
     resources:
         gpu=GPU,
+    params:
+        **run_dir_of(2),
     log:
         "logs/iter_{it}/world_model.log",
     shell:
-        "{WAMRL} world-model --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
+        stage("world-model --iter {wildcards.it}")
 
 
 rule merge:
@@ -200,26 +327,34 @@ rule merge:
         "iter_{it}/actor",
         "iter_{it}/world_model",
         policy=lambda wc: policy_of(prev(wc)),
+        cfg=CONFIG_INPUT,
     output:
         directory("iter_{it,(?!000)\\d{3}}/policy"),
+    params:
+        **run_dir_of(2),
     log:
         "logs/iter_{it}/merge.log",
     shell:
-        "{WAMRL} merge --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
+        stage("merge --iter {wildcards.it}")
 
 
 rule eval:
     input:
         "iter_{it}/policy",
+        cfg=CONFIG_INPUT,
     output:
         "iter_{it}/eval.json",
+        # eval.videos under a storage provider: the mp4s, else left in the job's local copy
+        *([directory("iter_{it}/eval_videos")] if STORAGE and CFG["eval"]["videos"] else []),
     threads: CFG["eval"]["envs"]
     resources:
         gpu=GPU,
+    params:
+        **run_dir_of(2),
     log:
         "logs/iter_{it}/eval.log",
     shell:
-        "{WAMRL} eval --iter {wildcards.it} --run-dir . 2>&1 | tee {log}"
+        stage("eval --iter {wildcards.it}")
 
 
 # `snakemake report_html`: the run's HTML report (wamrl report) once every eval of `all` is

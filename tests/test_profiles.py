@@ -25,7 +25,8 @@ GPU_RULES = {"sft", "rollout", "reward", "actor", "world_model", "eval"}
 
 
 def rules() -> set[str]:
-    return set(re.findall(r"^rule (\w+):", (REPO / "Snakefile").read_text(), re.M))
+    # indented: a rule defined in an `if` (the reward rule, by storage provider)
+    return set(re.findall(r"^\s*rule (\w+):", (REPO / "Snakefile").read_text(), re.M))
 
 
 def load(p: Path) -> dict:
