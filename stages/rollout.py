@@ -16,8 +16,7 @@ import torch
 
 from wamrl import paths, tb
 from wamrl.config import EnvSection, RolloutSection, SamplerSection, section
-from wamrl.envs.tasks import tasks_in_suites
-from wamrl.plan import make_plan, shard_specs
+from wamrl.plan import make_plan, rollout_tasks, shard_specs
 from wamrl.runtime import pick_device, set_gl_backend
 from wamrl.seeding import derive_seed
 
@@ -51,8 +50,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
     if not (policy_dir / paths.MODEL_FILE).is_file():
         raise FileNotFoundError(f"no policy checkpoint at {policy_dir}")
 
-    candidates = tasks_in_suites(r.suites)
-    plan, plan_record = make_plan(cfg, run_dir, iteration, candidates)
+    plan, plan_record = make_plan(cfg, run_dir, iteration, rollout_tasks(cfg))
     specs = shard_specs(plan, worker, W)
     T, Tv = episode_limits(cfg, [s.task for s in specs])
     device = pick_device(cfg, "rollout")

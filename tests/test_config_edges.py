@@ -76,6 +76,10 @@ def test_documented_commands_end_config_values_before_the_target() -> None:
             {"eval.tasks": [0, 39], "eval.suites": ["libero_spatial"]},
             r"eval.tasks: \[39\] are not tasks of eval.suites \['libero_spatial'\]",
         ),
+        (
+            {"rollout.tasks": [3], "rollout.suites": ["libero_object"]},
+            r"rollout.tasks: \[3\] are not tasks of rollout.suites \['libero_object'\]",
+        ),
         ({"demos.tasks": []}, r"demos.tasks: \[\] should be non-empty"),
         (
             {"demos.tasks": [12], "demos.suites": ["libero_10"]},

@@ -18,6 +18,7 @@ from wamrl.plan import (
     plan_from_attrs,
     previous_rollout_counts,
     rollout_plan,
+    rollout_tasks,
     shard_specs,
     smoothed_rates,
     systematic_draw,
@@ -96,6 +97,18 @@ def test_plan_recomputed_from_the_store_attrs_equals_the_plan_used(tmp_path: Pat
     # every episode has its own noise seed, all different
     seeds = [s.noise_seed for s in specs]
     assert None not in seeds and len(set(seeds)) == len(seeds)
+
+
+def test_rollout_tasks_restricts_the_plan_and_its_replan(tmp_path: Path) -> None:
+    cfg = _cfg(suites=["libero_object"], tasks=[13, 17])
+    tasks = rollout_tasks(cfg)
+    assert [t.index for t in tasks] == [13, 17]
+    assert len(rollout_tasks(_cfg(suites=["libero_object"]))) == 10  # null: the whole suite
+    specs, record = make_plan(cfg, tmp_path, 1, tasks)
+    assert record["tasks"] == [13, 17]
+    assert sorted({s.task.index for s in specs}) == [13, 17]  # 8 groups over two tasks
+    attrs = json.loads(json.dumps({"plan": record}))
+    assert plan_from_attrs(attrs) == specs
 
 
 def test_a_missing_or_half_written_previous_store_is_named(tmp_path: Path) -> None:

@@ -171,6 +171,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"{' and '.join(low)}: half precision needs actor.logp_old: recompute "
             "(its log pi cannot reproduce the rollout's to actor.logp_check_tol)"
         )
+    _check_tasks(cfg, "rollout")
     _check_tasks(cfg, "eval")
     _check_tasks(cfg, "demos")
     if (cfg["world_model"]["window_frames"] - 1) % 4:
@@ -340,6 +341,7 @@ class RolloutSection:
     video_sft_share: float
     oversample_temperature: float
     suites: list[str]
+    tasks: list[int] | None
     fixed_batch: bool
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from wamrl import paths
-from wamrl.envs.tasks import Task, load_tasks
+from wamrl.envs.tasks import Task, load_tasks, tasks_in_suites
 from wamrl.seeding import derive_seed
 
 PRIOR = 0.5  # (successes + PRIOR) / (episodes + 2 PRIOR): an unseen task counts 0.5
@@ -85,6 +85,14 @@ def systematic_draw(weights: np.ndarray, n: int, rng: np.random.Generator) -> li
     points = (rng.random() + np.arange(n)) / n * cdf[-1]
     picks = np.minimum(np.searchsorted(cdf, points, side="right"), len(cdf) - 1)
     return [int(i) for i in rng.permutation(picks)]
+
+
+def rollout_tasks(cfg: dict[str, Any]) -> list[Task]:
+    """The tasks the plan draws from: rollout.suites' tasks, or those of them rollout.tasks
+    names (validated on load to be a non-empty subset; one task is single-task RL)."""
+    r = cfg["rollout"]
+    tasks = tasks_in_suites(r["suites"])
+    return tasks if r.get("tasks") is None else [t for t in tasks if t.index in set(r["tasks"])]
 
 
 def rollout_plan(
