@@ -32,9 +32,10 @@ reset (+ settle steps), step (physics, renders excluded), render (camera renders
 model-image crop), query (waiting for the parent's answer: queries, batching), tail (idle
 after its last episode, until the pool closes). Parent columns: pool (spawning the env
 pool, closing it), load (policy checkpoint), loop (the episode loop, store writes
-excluded), store (episode store, checkpoint and JSON writes), learn (learner compute:
-reward imagination, PPO, LoRA update), other (the rest of main: config checks, hashing,
-TensorBoard, set-up).
+excluded), store (the time main waits on episode store, checkpoint and JSON writes: the
+rollout's episodes are written by a thread, so only a full queue and the final join
+count), learn (learner compute: reward imagination, PPO, LoRA update), other (the rest of
+main: config checks, hashing, TensorBoard, set-up).
 
 "env physics" is the floor: per env pool, the busiest env process's reset + step time
 (renders included: the model needs them); pools running together count once (the

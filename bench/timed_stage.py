@@ -6,7 +6,8 @@ Runs the stage exactly as the `wamrl` command does (the same typer app, the same
 arguments; env workers spawn the same way and import this file's imports, stages.cli, as
 the console script's do), but first wraps a few library functions in timers, by name, so
 that stages/*.py and the libraries others edit stay untouched: pool start and close, the
-policy load, the episode loop (and the counts it returns), store writes, the learner update,
+policy load, the episode loop (and the counts it returns), store writes (the time the
+caller waits on them; the rollout's episode writes run in a thread), the learner update,
 checkpoint writes, TensorBoard. A name that is gone (code moved) is skipped, not an error.
 Writes DIR/stage_<pid>.json: phase seconds and time stamps (launch, interpreter up, imports
 done, main start and end); the launching process passes its own launch time in
@@ -35,8 +36,12 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
         ("wamrl.policy", "load_policy", "policy_load"),
         ("wamrl.rollout", "run_episodes", "episodes"),
         ("wamrl.store", "ShardWriter.__init__", "store_open"),
+        # write_episode queues the episode for the store's writer thread: its time is what
+        # the loop waits on writes (a full queue); close joins the thread, then validates
         ("wamrl.store", "ShardWriter.write_episode", "store_write_inner"),
         ("wamrl.store", "ShardWriter.close", "store_close"),
+        # the writes themselves, in the writer thread: overlapped with the loop, no column
+        ("wamrl.store", "ShardWriter._write", "store_write_thread"),
         ("wamrl.tb", "log_scalars", "tensorboard"),
     ],
     "eval": [

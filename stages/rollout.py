@@ -66,13 +66,19 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
         "plan": plan_record,  # the rates behind the plan: plan.plan_from_attrs recomputes it
     }
     env_cfg = dict(cfg["env"])  # the env processes take the section as a dict
+    shard = paths.shard_path(run_dir, iteration, worker)
     # The pool first: its processes import LIBERO while this one loads the policy.
     with EnvPool(
         r.envs_per_worker, policy_dir / paths.STATS_FILE, env_cfg, seed=cfg["seed"]
     ) as pool:
         policy, context, mask, normalizer = load_for_queries(policy_dir, device)
+        # Episodes are written by a background thread: written in this loop, each one's
+        # compression (~0.12 s on the H100 box of bench/bench_iteration.py) held up every env
+        # waiting for a query. Up to one episode per env may wait in its queue: a wave of
+        # episodes ending together (the same step cap) does not block the loop, and memory
+        # at most doubles the in-flight episodes' (tens of MB each).
         with ShardWriter(
-            paths.shard_path(run_dir, iteration, worker), len(specs), T, sampler.K, Tv, attrs
+            shard, len(specs), T, sampler.K, Tv, attrs, max_queued=r.envs_per_worker
         ) as writer:
             run_episodes(
                 policy,
@@ -90,7 +96,6 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int, worker: int) -> Non
                 # with each episode's own noise seed: a rerun gives the same bits
                 fixed_batch=r.fixed_batch,
             )
-    shard = paths.shard_path(run_dir, iteration, worker)
     tb.log_scalars(
         run_dir,
         f"rollout_w{worker:03d}",

@@ -90,8 +90,9 @@ def make_episodes(seed: int = 0) -> list[EpisodeData]:
     ]
 
 
-def write_store(path: Path, episodes: list[EpisodeData]) -> Path:
-    with ShardWriter(path, len(episodes), T, K, TV, store_attrs()) as w:
+def write_store(path: Path, episodes: list[EpisodeData], max_queued: int = 0) -> Path:
+    """max_queued > 0: through ShardWriter's background writer thread."""
+    with ShardWriter(path, len(episodes), T, K, TV, store_attrs(), max_queued) as w:
         for i, ep in enumerate(episodes):
             w.write_episode(i, ep)
     return path

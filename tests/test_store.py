@@ -7,6 +7,7 @@ import io
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,10 @@ from tests.stores import (
     store_attrs,
     write_store,
 )
+from wamrl import faults
 from wamrl.inspect import inspect_store
 from wamrl.store import (
+    CORE_GROUPS,
     IMAGE_T_CHUNK,
     REWARD_NAMES,
     SCHEMA,
@@ -205,6 +208,82 @@ def test_writer_rejects_bad_input(tmp_path: Path) -> None:
             TV,
             {k: v for k, v in store_attrs().items() if k != "policy_sha256"},
         )
+
+
+def test_background_writer_writes_the_same_store(tmp_path: Path) -> None:
+    """The writer thread (a queue of 1, so the caller also waits on a full queue) writes the
+    same store as the inline writer, byte for byte: every file, every array, every attr."""
+    eps = make_episodes(0) + [replace(ep, group=ep.group + 2) for ep in make_episodes(1)]
+    inline = write_store(tmp_path / "inline" / "s.zarr", eps)
+    threaded = write_store(tmp_path / "threaded" / "s.zarr", eps, max_queued=1)
+    assert validate_store(threaded, deep=True) == []
+    a, b = open_store(inline), open_store(threaded)
+    assert dict(a.attrs) == dict(b.attrs)
+    members = dict(a.members(max_depth=None))  # every group and array, nested ones too
+    assert members.keys() == dict(b.members(max_depth=None)).keys()
+    assert {n for n, x in members.items() if isinstance(x, zarr.Array)} == {
+        spec.path for spec in SCHEMA if spec.group in CORE_GROUPS
+    }
+    for name, x in members.items():
+        y = b[name]
+        assert dict(x.attrs) == dict(y.attrs), name
+        if isinstance(x, zarr.Array):
+            assert (x.chunks, x.dtype, x.metadata) == (y.chunks, y.dtype, y.metadata), name
+            np.testing.assert_array_equal(x[...], y[...], err_msg=name)
+    files = {p.relative_to(inline): p for p in inline.rglob("*") if p.is_file()}
+    assert files.keys() == {p.relative_to(threaded) for p in threaded.rglob("*") if p.is_file()}
+    for rel, f in files.items():
+        assert f.read_bytes() == (threaded / rel).read_bytes(), rel
+
+
+def test_background_writer_error_stops_the_caller_and_leaves_no_store(tmp_path: Path) -> None:
+    """A bad episode fails in the writer thread: the next write_episode raises that error
+    (with a note naming the episode), the with block removes the temp store."""
+    path = tmp_path / "shard.zarr"
+    eps = make_episodes()
+    bad = make_episode(np.random.default_rng(0), 2, False)
+    bad.chain = bad.chain[:, :K]  # K chain states instead of K + 1
+    with (
+        pytest.raises(ValueError, match="chain") as err,
+        ShardWriter(path, 3, T, K, TV, store_attrs(), max_queued=2) as w,
+    ):
+        w.write_episode(0, eps[0])
+        w.write_episode(1, bad)
+        deadline = time.monotonic() + 30
+        while w._error is None and time.monotonic() < deadline:  # the thread reaches it
+            time.sleep(0.01)
+        w.write_episode(2, eps[2])  # raises: the loop stops here, not after every episode
+        pytest.fail("write_episode went on after the writer thread failed")
+    assert any("episode 1" in note for note in err.value.__notes__)
+    assert w._thread is None  # joined before the temp went: nothing can write into it again
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_background_writer_error_at_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in the last episode's write is raised by close(), as the error itself (a
+    full disk stays an OSError with its errno); no store, complete or not, is left."""
+    monkeypatch.setenv(faults.ENV, "episode:enospc")  # the first episode written fails
+    path = tmp_path / "shard.zarr"
+    with pytest.raises(OSError, match="injected") as err:
+        write_store(path, make_episodes()[:1], max_queued=4)
+    assert err.value.errno == 28
+    assert any("episode 0" in note for note in err.value.__notes__)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_background_writer_abort_drops_the_queue(tmp_path: Path) -> None:
+    path = tmp_path / "shard.zarr"
+    eps = make_episodes()
+    with (
+        pytest.raises(RuntimeError, match="env died"),
+        ShardWriter(path, 3, T, K, TV, store_attrs(), max_queued=3) as w,
+    ):
+        for i, ep in enumerate(eps):
+            w.write_episode(i, ep)
+        raise RuntimeError("env died")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(StoreError, match="already closed"):
+        w.write_episode(0, eps[0])
 
 
 def test_deleted_and_truncated_chunks_are_reported(store: tuple[Path, list[EpisodeData]]) -> None:

@@ -319,10 +319,10 @@ class EpisodeRunner:
         else:  # pragma: no cover - the pool has three event kinds
             raise TypeError(f"unknown pool event {ev!r}")
         data = ep.finish(crashed)
-        self.on_episode(ep.index, data)
         del self.running[ev.slot]
-        if self.todo:
+        if self.todo:  # first, so the env resets while on_episode may still block
             self.start(ev.slot)
+        self.on_episode(ep.index, data)
         return data
 
     def answer_ready(self) -> None:

@@ -26,7 +26,9 @@ are reported as unchecked, not as invalid (`checksum_coverage`).
 from __future__ import annotations
 
 import json
+import queue
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -225,7 +227,9 @@ EPISODE_NAMES = ("task", "init_state", "group", "length", "success", "video_sft"
 class EpisodeData:
     """One finished episode, as the rollout hands it to ShardWriter.write_episode.
 
-    Per-step arrays have `length` rows (one per macro-step); the store pads to T.
+    Per-step arrays have `length` rows (one per macro-step); the store pads to T. A writer
+    with a background thread reads the arrays after write_episode returns: once handed
+    over, they must not be modified.
     """
 
     task: int
@@ -276,6 +280,13 @@ class ShardWriter:
         for i, ep in enumerate(episodes):
             w.write_episode(i, ep)
     # on normal exit: validated, `complete` set, renamed to `path`; on exception: removed
+
+    max_queued > 0 writes in a background thread instead, in submission order:
+    write_episode only queues the episode (blocking while max_queued wait, so memory stays
+    bounded), so a rollout loop goes on answering its envs' queries while chunks are
+    compressed and written (the compression releases the GIL). The thread's first error is
+    raised by the next write_episode, or else by close(), with a note naming the episode;
+    the store is then removed as for any exception.
     """
 
     def __init__(
@@ -286,11 +297,14 @@ class ShardWriter:
         K: int,
         max_video_steps: int,
         attrs: dict[str, Any],
+        max_queued: int = 0,
     ):
         if n_episodes < 1 or max_steps_T < 1 or K < 2 or max_video_steps < 1:
             raise ValueError(
                 f"need E >= 1, T >= 1, K >= 2, Tv >= 1; got {n_episodes, max_steps_T, K, max_video_steps}"
             )
+        if max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {max_queued}")
         missing = [k for k in REQUIRED_ATTRS if k not in attrs and k != "K"]
         if missing:
             raise ValueError(f"ShardWriter attrs lack {missing} (contract: {list(REQUIRED_ATTRS)})")
@@ -315,13 +329,63 @@ class ShardWriter:
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
+        # The background writer (max_queued > 0): (index, episode) items, None = no more.
+        self._queue: queue.Queue[tuple[int, EpisodeData] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None  # the thread's first error
+        self._dropping = threading.Event()  # abort(): the thread discards what is queued
+        if max_queued:
+            self._queue = queue.Queue(maxsize=max_queued)
+            # daemon: a caller that never closes the writer must not hang the interpreter's exit
+            self._thread = threading.Thread(
+                target=self._drain, name=f"ShardWriter {self.path.name}", daemon=True
+            )
+            self._thread.start()
 
     def write_episode(self, i: int, ep: EpisodeData) -> None:
-        E, T, K, Tv = self.dims
+        """Write episode i, or with a background writer queue it (see the class docstring:
+        ep's arrays must not change afterwards). Raises the background writer's first error."""
+        E = self.dims[0]
         if self._closed:
             raise StoreError(f"{self.path}: writer already closed")
         if not 0 <= i < E:
             raise IndexError(f"episode {i} not in 0..{E - 1}")
+        if self._queue is None:
+            self._write(i, ep)
+            return
+        self._raise_thread_error()  # stop the caller at its next episode, not at the end
+        self._queue.put((i, ep))  # blocks while max_queued episodes wait
+
+    def _drain(self) -> None:
+        """The background writer: write queued episodes in order until None. After an error
+        (or an abort) it only discards items, so a caller blocked in put() never hangs."""
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            if self._error is not None or self._dropping.is_set():
+                continue
+            i, ep = item
+            try:
+                self._write(i, ep)
+            except BaseException as e:  # everything reaches the caller, nothing dies here
+                e.add_note(f"{self.path}: writing episode {i} (background writer thread)")
+                self._error = e
+
+    def _raise_thread_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _join(self) -> None:
+        """Wait until the background writer has written (or discarded) all it was given."""
+        if self._thread is None:
+            return
+        assert self._queue is not None
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = None
+
+    def _write(self, i: int, ep: EpisodeData) -> None:
+        """Check and write one episode (in the caller or in the background writer thread)."""
+        _, T, K, Tv = self.dims
         t = int(ep.length)
         if not 0 <= t <= T:
             raise ValueError(f"episode {i}: length {t} not in 0..{T}")
@@ -379,6 +443,8 @@ class ShardWriter:
             return
         E = self.dims[0]
         try:
+            self._join()
+            self._raise_thread_error()
             missing = sorted(set(range(E)) - self._written)
             if missing:
                 raise StoreError(f"{self.path}: episodes {missing} were never written")
@@ -400,6 +466,10 @@ class ShardWriter:
 
     def abort(self) -> None:
         self._closed = True
+        # The thread must be done before the temp goes: a write after rmtree would recreate
+        # part of it. Queued episodes are dropped; one being written is finished (~0.1 s).
+        self._dropping.set()
+        self._join()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> ShardWriter:
