@@ -92,7 +92,7 @@ def rollout_tasks(cfg: dict[str, Any]) -> list[Task]:
     names (validated on load to be a non-empty subset; one task is single-task RL)."""
     r = cfg["rollout"]
     tasks = tasks_in_suites(r["suites"])
-    return tasks if r.get("tasks") is None else [t for t in tasks if t.index in set(r["tasks"])]
+    return tasks if r["tasks"] is None else [t for t in tasks if t.index in set(r["tasks"])]
 
 
 def rollout_plan(
