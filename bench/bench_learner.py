@@ -107,7 +107,7 @@ def main() -> None:
     with device:  # full-size weights are made on the GPU, not copied there
         policy = build_policy(cfg)
     s = cfg["sampler"]
-    mb, epochs = cfg["actor"]["minibatch"], cfg["actor"]["epochs"]
+    mb, epochs = cfg["actor"]["minibatch"] or args.steps, cfg["actor"]["epochs"]
     data = synthetic_data(policy, args.steps, s["K"], s["noise_a"], s["shift"], mb, device)
     initial = {k: v.clone() for k, v in policy.state_dict().items()}
 

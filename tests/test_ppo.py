@@ -173,3 +173,32 @@ def test_a_weighted_update_is_the_update_on_weighted_advantages() -> None:
     for a, b in zip(weighted, by_adv, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(weighted, plain, strict=True))
+
+
+def test_minibatch_null_takes_one_step_per_epoch_on_all_kept_steps() -> None:
+    """actor.minibatch null: each optimizer step is the mean over every kept step, computed
+    in micro-batches: the same weights as minibatch = len(data), one step per epoch, and
+    not those of smaller minibatches."""
+    from tests.helpers import ONE_LAYER_TINY, make_tiny_policy
+    from tests.test_ddp import _cfg, _data
+    from wamrl import ppo
+
+    data = _data()
+
+    def update(minibatch: int | None) -> tuple[list[torch.Tensor], dict]:
+        policy = make_tiny_policy(config=ONE_LAYER_TINY)
+        params = policy.parameter_groups()["actor"]
+        cfg = _cfg(epochs=3, minibatch=minibatch, micro_batch=2, grad_clip=1e9, ref_kl=0.0)
+        cfg["actor"]["target_kl"] = None
+        m = ppo.actor_update(policy, None, data, cfg, torch.optim.SGD(params, lr=1e-3), seed=7)
+        return [p.detach().clone() for p in params], m
+
+    (whole, m_null), (full, _), (halves, m_half) = (
+        update(None), update(len(data)), update(len(data) // 2)
+    )
+    assert len(data) >= 4
+    assert len(m_null["kl_trace"]) == 3 and [e["minibatches"] for e in m_null["epochs"]] == [1] * 3
+    assert len(m_half["kl_trace"]) > 3
+    for a, b in zip(whole, full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(whole, halves, strict=True))

@@ -364,7 +364,7 @@ class RewardSection:
 class ActorSection:
     SECTION: ClassVar[str] = "actor"
     epochs: int
-    minibatch: int
+    minibatch: int | None
     micro_batch: int | None
     lr: float
     clip_low: float

@@ -358,7 +358,9 @@ def actor_update(
     if len(data) == 0:
         metrics["skipped"] = "no kept macro-steps (every group was degenerate or empty)"
         return metrics
-    mb = int(acfg["minibatch"])
+    # actor.minibatch null: every optimizer step sees all the iteration's kept steps. An
+    # update that stops at target_kl after a few steps is then not a few noisy minibatches.
+    mb = len(data) if acfg["minibatch"] is None else int(acfg["minibatch"])
     # actor.micro_batch: a minibatch's forward/backward in parts of this size (gradients
     # accumulate; the same update) so that a minibatch need not fit the GPU at once.
     micro = min(int(acfg.get("micro_batch") or mb), mb)
