@@ -194,7 +194,9 @@ def test_minibatch_null_takes_one_step_per_epoch_on_all_kept_steps() -> None:
         return [p.detach().clone() for p in params], m
 
     (whole, m_null), (full, _), (halves, m_half) = (
-        update(None), update(len(data)), update(len(data) // 2)
+        update(None),
+        update(len(data)),
+        update(len(data) // 2),
     )
     assert len(data) >= 4
     assert len(m_null["kl_trace"]) == 3 and [e["minibatches"] for e in m_null["epochs"]] == [1] * 3
