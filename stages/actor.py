@@ -85,7 +85,8 @@ def _run(
 
     acfg = section(cfg, ActorSection)
     ref = load_policy(paths.policy_dir(run_dir, 0), device=device) if acfg.ref_kl != 0 else None
-    params, opt = trainable_optimizer(policy, "actor", acfg.lr)  # the video expert is frozen
+    # the video expert is frozen; Adam's state carries over from iteration n-1 (below)
+    params, opt = trainable_optimizer(policy, "actor", acfg.lr, acfg.beta1)
     names = param_names(policy, params)
     restored = masters_restored = 0
     prev_actor = paths.actor_dir(run_dir, iteration - 1)

@@ -112,6 +112,37 @@ def test_optimizer_state_roundtrip() -> None:
     torch.testing.assert_close(b2, b)
 
 
+def test_beta1_zero_steps_along_this_iterations_gradient_alone() -> None:
+    """actor.beta1 0: with Adam's state carried over from an earlier iteration, the step is
+    -lr g / (sqrt(v_hat) + eps) on this gradient g, whatever the old momentum; at 0.9 the old
+    momentum is 90 % of m: the step points mostly where earlier gradients did."""
+    from tests.helpers import ONE_LAYER_TINY, make_tiny_policy
+    from wamrl.training import trainable_optimizer
+
+    lr, g_old, g_new = 1e-3, 1.0, -0.2
+
+    def step(beta1: float) -> tuple[torch.Tensor, torch.Tensor]:
+        policy = make_tiny_policy(config=ONE_LAYER_TINY)
+        params, opt = trainable_optimizer(policy, "actor", lr, beta1)
+        p = params[0]
+        for g in (g_old, g_new):  # an earlier iteration's step, then this one's
+            before = p.detach().clone()
+            opt.zero_grad()
+            p.grad = torch.full_like(p, g)
+            opt.step()
+        return p.detach() - before, before
+
+    delta, _ = step(0.0)
+    v_hat = (0.001 * 0.999 * g_old**2 + 0.001 * g_new**2) / (1 - 0.999**2)
+    torch.testing.assert_close(delta, torch.full_like(delta, -lr * g_new / (v_hat**0.5 + 1e-8)))
+    delta_momentum, _ = step(0.9)
+    m_hat = (0.1 * 0.9 * g_old + 0.1 * g_new) / (1 - 0.9**2)
+    assert m_hat > 0 > g_new  # the old gradient wins: the step goes against this one
+    torch.testing.assert_close(
+        delta_momentum, torch.full_like(delta, -lr * m_hat / (v_hat**0.5 + 1e-8))
+    )
+
+
 def test_ppo_loss_weights_each_sample_of_the_surrogate() -> None:
     new, old = _logps(RATIOS)
     adv = torch.tensor(ADVS, dtype=torch.float64)

@@ -367,6 +367,7 @@ class ActorSection:
     minibatch: int | None
     micro_batch: int | None
     lr: float
+    beta1: float
     clip_low: float
     clip_high: float
     target_kl: float | None

@@ -17,17 +17,20 @@ class NonFiniteError(RuntimeError):
 
 
 def trainable_optimizer(
-    policy: Policy, group: str, lr: float
+    policy: Policy, group: str, lr: float, beta1: float = 0.9
 ) -> tuple[list[nn.Parameter], MasterWeightOptimizer]:
     """Adam over `policy.parameter_groups()[group]`, the only parameters left requiring grad
     (the rest of the model is frozen in that stage: no gradients computed or kept for it).
     Float32 masters for non-float32 (bf16) parameters, so small steps do not round away;
-    a no-op wrapper on float32 ones. Returns (the group's parameters, the optimizer)."""
+    a no-op wrapper on float32 ones. beta1: Adam's momentum (the second moment's beta stays
+    0.999). Returns (the group's parameters, the optimizer)."""
     params = list(policy.parameter_groups()[group])
     ids = {id(p) for p in params}
     for p in policy.parameters():
         p.requires_grad_(id(p) in ids)
-    return params, MasterWeightOptimizer(params, lambda ps: torch.optim.Adam(ps, lr=lr))
+    return params, MasterWeightOptimizer(
+        params, lambda ps: torch.optim.Adam(ps, lr=lr, betas=(beta1, 0.999))
+    )
 
 
 # ---- optimizer state as safetensors (no pickle) -------------------------------------------
