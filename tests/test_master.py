@@ -270,3 +270,19 @@ def test_actor_stage_float32_writes_no_masters(tmp_path, monkeypatch) -> None:
     metrics = _run_actor_stage(monkeypatch, tmp_path, 1, _policy(torch.float32), cfg)
     assert metrics["master_weights_params"] == 0
     assert not (paths.actor_dir(tmp_path, 1) / "master.safetensors").exists()
+
+
+def test_max_kl_projection_moves_bf16_parameters_with_their_masters() -> None:
+    """actor.max_kl on bf16 weights: the float32 masters are scaled back and rounded into
+    the parameters, so each parameter is still its master in bf16, and the KL is max_kl."""
+    data = _data()
+    cfg = _cfg(8, len(data))
+    cfg["actor"].update(lr=1e-4, max_kl=0.01)
+    policy = _policy(torch.bfloat16)
+    params = policy.parameter_groups()["actor"]
+    opt = MasterWeightOptimizer(params, adam(1e-4))
+    metrics = ppo.actor_update(policy, None, data, cfg, opt)  # type: ignore[arg-type]
+    assert metrics["kl_projection"]["kl_before"] > 0.1  # measured: 0.144
+    assert 0.009 <= metrics["kl"] <= 0.01
+    for p, m in zip(params, opt.masters, strict=True):
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), m.to(torch.bfloat16))

@@ -235,3 +235,38 @@ def test_minibatch_null_takes_one_step_per_epoch_on_all_kept_steps() -> None:
     for a, b in zip(whole, full, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
     assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(whole, halves, strict=True))
+
+
+def test_max_kl_scales_an_overshooting_update_back_along_its_direction() -> None:
+    """actor.max_kl: an update whose exact KL from pi_old passes max_kl ends at max_kl (within
+    the square law's 0.1 %), on the segment from the old weights to the unprojected ones,
+    at the reported alpha; an update inside max_kl is left exactly as it was."""
+    from tests.helpers import ONE_LAYER_TINY, make_tiny_policy
+    from tests.test_ddp import _cfg, _data
+    from wamrl import ppo
+    from wamrl.master import MasterWeightOptimizer
+
+    data = _data()
+
+    def update(max_kl: float | None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+        policy = make_tiny_policy(config=ONE_LAYER_TINY)
+        params = policy.parameter_groups()["actor"]
+        start = [p.detach().clone() for p in params]
+        opt = MasterWeightOptimizer(params, lambda ps: torch.optim.Adam(ps, lr=3e-3))
+        cfg = _cfg(epochs=2, minibatch=None, micro_batch=4, ref_kl=0.0, max_kl=max_kl)
+        m = ppo.actor_update(policy, None, data, cfg, opt, seed=7)
+        return start, [p.detach().clone() for p in params], m
+
+    start, free, m_free = update(None)
+    assert "kl_projection" not in m_free and m_free["kl"] > 0.02
+    _, projected, m = update(0.01)
+    assert m["kl_projection"]["kl_before"] == pytest.approx(m_free["kl"], rel=1e-6)
+    assert m["kl"] == pytest.approx(0.01, rel=2e-3)
+    alpha = m["kl_projection"]["alpha"]
+    assert 0 < alpha < 1
+    for s, f, p in zip(start, free, projected, strict=True):
+        torch.testing.assert_close(p, s + alpha * (f - s), rtol=1e-5, atol=1e-7)
+    _, inside, m_in = update(1e6)
+    assert "kl_projection" not in m_in
+    for f, p in zip(free, inside, strict=True):
+        torch.testing.assert_close(p, f, rtol=0, atol=0)

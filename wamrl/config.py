@@ -371,6 +371,7 @@ class ActorSection:
     clip_low: float
     clip_high: float
     target_kl: float | None
+    max_kl: float | None
     ref_kl: float
     step_weight: str  # none | inv_sensitivity
     grad_clip: float

@@ -80,6 +80,12 @@ class MasterWeightOptimizer:
                 p.copy_(m)  # rounds to the parameter's dtype (round to nearest even)
                 m.grad = None
 
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Round every master into its parameter (after the masters were set directly)."""
+        for p, m in self._pairs:
+            p.copy_(m)
+
     # ---- the masters across iterations ---------------------------------------------------
 
     def master_tensors(self, names: list[str]) -> dict[str, Tensor]:
