@@ -270,3 +270,22 @@ def test_max_kl_scales_an_overshooting_update_back_along_its_direction() -> None
     assert "kl_projection" not in m_in
     for f, p in zip(free, inside, strict=True):
         torch.testing.assert_close(p, f, rtol=0, atol=0)
+
+
+def test_kl_by_task_is_each_tasks_mean_of_the_exact_step_kl() -> None:
+    """Two tasks, std 0.5: a step whose mean moves by d in one of its 224 entries has KL
+    d^2 / (2 * 0.25); task 3's steps moved 0.1 and 0.3, task 7's did not move."""
+    import numpy as np
+
+    from wamrl.ppo import LearnerPass, kl_by_k_star
+
+    mu = np.zeros((3, 32, 7), np.float32)
+    before = LearnerPass(np.zeros(3), mu, np.full(3, 0.5, np.float32))
+    moved = mu.copy()
+    moved[0, 0, 0], moved[1, 5, 2] = 0.1, 0.3
+    after = LearnerPass(np.zeros(3), moved, before.std)
+    out = kl_by_k_star(before, after, np.array([1, 7, 7]), 8, np.array([3, 3, 7]))
+    kl = [0.01 / 0.5, 0.09 / 0.5, 0.0]
+    assert out["kl"] == pytest.approx(sum(kl) / 3)
+    assert out["kl_by_k_star"] == {"1": pytest.approx(kl[0]), "7": pytest.approx(kl[1] / 2)}
+    assert out["kl_by_task"] == {"3": pytest.approx((kl[0] + kl[1]) / 2), "7": 0.0}

@@ -233,14 +233,22 @@ def learner_logp(
 
 
 def kl_by_k_star(
-    before: LearnerPass, after: LearnerPass, k_star: np.ndarray, K: int
+    before: LearnerPass,
+    after: LearnerPass,
+    k_star: np.ndarray,
+    K: int,
+    task: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The exact KL of the SDE step from `before` to `after` at the stored x_{k*}:
-    sum (mu_after - mu_before)^2 / (2 std^2) per step; its mean over all steps and per k*."""
+    sum (mu_after - mu_before)^2 / (2 std^2) per step; its mean over all steps, per k* and,
+    given each step's task, per task (a mean KL can hide one task's large move)."""
     d = (after.mu - before.mu) / before.std[:, None, None]
     kl = 0.5 * (d.astype(np.float64) ** 2).reshape(len(d), -1).sum(1)
     per_k = {str(k): float(kl[k_star == k].mean()) for k in range(1, K) if (k_star == k).any()}
-    return {"kl": float(kl.mean()) if len(kl) else 0.0, "kl_by_k_star": per_k}
+    out: dict[str, Any] = {"kl": float(kl.mean()) if len(kl) else 0.0, "kl_by_k_star": per_k}
+    if task is not None:
+        out["kl_by_task"] = {str(t): float(kl[task == t].mean()) for t in np.unique(task)}
+    return out
 
 
 def logp_tolerance(data: ActorData, tol: float) -> np.ndarray:
@@ -490,7 +498,7 @@ def actor_update(
     optimizer.zero_grad(set_to_none=True)
     # The iteration's step, measured exactly over every kept step (one more no-grad pass).
     after = learner_pass(policy, data, micro, device, amp)
-    metrics.update(kl_by_k_star(old, after, data.k_star, data.K))
+    metrics.update(kl_by_k_star(old, after, data.k_star, data.K, data.task))
     max_kl = acfg.get("max_kl")
     if max_kl is not None and metrics["kl"] > float(max_kl):
         metrics["kl_projection"] = project_update(
@@ -498,7 +506,7 @@ def actor_update(
             device, amp,
         )  # fmt: skip
         metrics.update(
-            kl_by_k_star(old, metrics["kl_projection"].pop("after"), data.k_star, data.K)
+            kl_by_k_star(old, metrics["kl_projection"].pop("after"), data.k_star, data.K, data.task)
         )
     return metrics
 
