@@ -241,6 +241,7 @@ def test_tb_scalars_read_back(tmp_path: Path) -> None:
     ev = _load(SHIPPED / "iter_005" / "eval.json")
     actor = _load(SHIPPED / "iter_005" / "actor" / "metrics.json")
     assert tb.log_scalars(tmp_path, "eval", 5, tb.eval_scalars(ev)) == tmp_path / "tb" / "eval"
+    actor["kl_by_task"] = {"12": 0.004, "14": 0.02}  # newer than the shipped run
     tb.log_scalars(tmp_path, "actor", 5, lambda: tb.actor_scalars(actor))
     tb.log_scalars(tmp_path, "actor", 6, {"actor/kl": 0.5, "actor/skipped": None})
     got = _read_tb(tmp_path / "tb" / "eval")
@@ -253,6 +254,7 @@ def test_tb_scalars_read_back(tmp_path: Path) -> None:
     assert got["actor/clip_fraction"] == [(5, pytest.approx(last["clip_fraction"]))]
     assert got["actor/early_stop"] == [(5, 1.0)]
     assert got["actor/kl_k7"] == [(5, pytest.approx(actor["kl_by_k_star"]["7"]))]
+    assert got["actor/kl_task14"] == [(5, pytest.approx(0.02))]
     assert "actor/skipped" not in got
     assert len(list((tmp_path / "tb" / "actor").glob("events.out.tfevents.*"))) == 2
 

@@ -338,6 +338,7 @@ def collect(run: Path) -> dict[str, Any]:
             row["actor"] = {
                 "kl": _num(actor.get("kl")),
                 "kl_by_k_star": actor.get("kl_by_k_star"),
+                "kl_by_task": actor.get("kl_by_task"),
                 "early_stop": actor.get("early_stop"),
                 "kl_trace": actor.get("kl_trace"),
                 "steps": actor.get("steps"),

@@ -112,6 +112,8 @@ def actor_scalars(metrics: Mapping[str, Any]) -> dict[str, float | None]:
     }
     for k, v in (metrics.get("kl_by_k_star") or {}).items():
         out[f"actor/kl_k{k}"] = float(v) if v is not None else None
+    for t, v in (metrics.get("kl_by_task") or {}).items():
+        out[f"actor/kl_task{t}"] = float(v) if v is not None else None
     return out
 
 
