@@ -108,9 +108,9 @@ def main() -> None:
 
     @torch.no_grad()
     def actions(policy: Policy) -> np.ndarray:
-        out = []
-        for start in range(0, args.steps, 64):
-            idx = np.arange(start, min(start + 64, args.steps, len(data)))
+        out, n = [], min(args.steps, len(data))
+        for start in range(0, n, 64):
+            idx = np.arange(start, min(start + 64, n))
             x0 = chunk_noise(start, len(idx))
             res = sample_chunk(policy, policy.prefill(data.obs(idx, "cpu")), len(idx), data.K, 0.0,
                                data.shift, None, x0=x0)  # fmt: skip
@@ -123,7 +123,7 @@ def main() -> None:
         return out.mu, out.std, actions(policy)
 
     mu0, std, act0 = measure()
-    k = data.k_star[: len(mu0)]
+    k, task = data.k_star[: len(mu0)], data.task[: len(mu0)]
     result = {"iteration": n, "steps": int(len(mu0)), "from": str(prev_dir),
               "to": str(args.to or f"policy {n}")}  # fmt: skip
     for label, names in (("actor", ("actor",)), ("world_model", ("world_model",)),
@@ -134,7 +134,13 @@ def main() -> None:
         result[label] = {
             "kl": float(kl.mean()),
             "kl_by_k_star": {int(s): float(kl[k == s].mean()) for s in np.unique(k)},
+            # a mean over tasks can hide one task's large move (eval scores every task)
+            "kl_by_task": {int(t): float(kl[task == t].mean()) for t in np.unique(task)},
             "action_rms_change": float(np.sqrt(((act - act0) ** 2).mean())),
+            "action_rms_change_by_task": {
+                int(t): float(np.sqrt(((act - act0)[task == t] ** 2).mean()))
+                for t in np.unique(task)
+            },
             "action_rms_change_by_dim": np.sqrt(((act - act0) ** 2).mean((0, 1))).round(4).tolist(),
             # the gripper (last dim) acts by its sign: chunk entries whose sign flipped
             "gripper_sign_flips": float((np.sign(act[..., -1]) != np.sign(act0[..., -1])).mean()),
