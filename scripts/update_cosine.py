@@ -1,6 +1,6 @@
 """Do successive actor updates point the same way?
 
-    python scripts/update_cosine.py RUN_DIR [--from N] [--to M] [--json OUT]
+    python scripts/update_cosine.py RUN_DIR [--from N] [--to M] [--gradient] [--json OUT]
 
 The actor's change in iteration n is d_n = theta_n - theta_{n-1}, the difference of the action
 expert's tensors in iter_n/actor/ and iter_{n-1}/actor/ (iter_000: the base's, from
@@ -10,6 +10,13 @@ noise (scripts/grad_snr.py: two halves of one iteration agree at cosine ~0.2) a 
 1 between successive updates is Adam's momentum (actor.beta1), carried from one iteration to
 the next, not the data: with one or two steps per iteration, beta1 = 0.9 makes most of
 every update the earlier iterations' gradients (data/rl_ketchup_cpu).
+
+--gradient (needs each iteration's rollouts and policy n-1) also compares d_n with the step
+iteration n's own data asks for: p_n = g_n / (sqrt(v_hat) + eps), g_n the gradient of the
+PPO surrogate at ratio 1 (mean of step-weighted A log pi over the kept steps; the reference
+KL left out) at policy n-1, v_hat Adam's bias-corrected second moment before the update
+(sign(g_n) without one: Adam's first step). cos(d_n, p_n) < 0 while successive updates agree
+is momentum carrying the policy where its fresh data no longer points (overshoot).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -58,14 +66,79 @@ def update_cosines(run: Path, first: int, last: int) -> dict[str, list]:
     }
 
 
+def precondition(g: Tensor, exp_avg_sq: Tensor | None, step: float, beta2: float = 0.999,
+                 eps: float = 1e-8) -> Tensor:  # fmt: skip
+    """Adam's elementwise scaling of a fresh gradient: g / (sqrt(v / (1 - beta2^t)) + eps),
+    or sign(g) (m_hat / sqrt(v_hat) of a first step) where there is no state yet."""
+    if exp_avg_sq is None or step == 0:
+        return torch.sign(g)
+    return g / ((exp_avg_sq / (1.0 - beta2**step)).sqrt() + eps)
+
+
+def fresh_direction(run: Path, n: int, names: list[str], batch: int = 64) -> Tensor:
+    """p_n of the module docstring, flattened in `names` order (float64)."""
+    from wamrl import sampler
+    from wamrl.policy import load_policy
+    from wamrl.ppo import _transition, load_iteration
+
+    cfg, _, data = load_iteration(run, n)
+    policy = load_policy(paths.policy_dir(run, n - 1), device="cpu")
+    named = dict(policy.named_parameters())
+    for p in policy.parameters():
+        p.requires_grad_(False)
+    params = [named[k].requires_grad_(True) for k in names]
+    weight = torch.ones(data.K)
+    if cfg["actor"].get("step_weight", "none") == "inv_sensitivity":
+        kmax = cfg["sampler"].get("kstar_max")
+        weight = sampler.step_weights(data.K, data.noise_a, data.shift, kmax)
+    grads = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for start in range(0, len(data), batch):
+        idx = np.arange(start, min(start + batch, len(data)))
+        mu, std = _transition(policy, data, idx, "cpu")
+        logp = sampler.gaussian_log_prob(data.tensor("x_next", idx, "cpu").float(), mu, std)
+        w = weight[data.tensor("k_star", idx, "cpu")] * data.tensor("adv", idx, "cpu").float()
+        for acc, g in zip(grads, torch.autograd.grad((w * logp).sum() / len(data), params),
+                          strict=True):  # fmt: skip
+            acc += g.double()
+    g = torch.cat([x.flatten() for x in grads])
+    state = paths.actor_dir(run, n - 1) / paths.OPTIMIZER_FILE
+    if n == 1 or not state.exists():
+        return precondition(g, None, 0)
+    adam = load_tensors(state, "Adam state")
+    v = torch.cat([adam[f"{k}.exp_avg_sq"].flatten().double() for k in names])
+    return precondition(g, v, float(adam[f"{names[0]}.step"]))
+
+
+def gradient_cosines(run: Path, first: int, last: int) -> dict[str, list]:
+    """{"gradient_cosine": [cos(d_n, p_n)], "gradient_cosine_to_previous": [cos(p_n,
+    p_{n-1})]} for n = first..last (the first entry of the second: None)."""
+    names = sorted(actor_tensors(run, last))
+    cos = torch.nn.functional.cosine_similarity
+    fresh, out = {}, {"gradient_cosine": [], "gradient_cosine_to_previous": []}
+    for n in range(first, last + 1):
+        now, before = (flat(actor_tensors(run, i, names), names) for i in (n, n - 1))
+        d = now - before
+        fresh[n] = fresh_direction(run, n, names)
+        out["gradient_cosine"].append(float(cos(d, fresh[n], dim=0)))
+        prev = fresh.get(n - 1)
+        out["gradient_cosine_to_previous"].append(
+            None if prev is None else float(cos(fresh[n], prev, dim=0))
+        )
+        print(f"iteration {n:3d}  cos(d, p) {out['gradient_cosine'][-1]:+.3f}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path)
     p.add_argument("--from", dest="first", type=int, default=1)
     p.add_argument("--to", dest="last", type=int, required=True)
+    p.add_argument("--gradient", action="store_true", help="also cos(d_n, p_n): see above")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     out = update_cosines(a.run, a.first, a.last)
+    if a.gradient:
+        out.update(gradient_cosines(a.run, a.first, a.last))
     for n, c, m in zip(out["iterations"], out["cosine_to_previous"], out["norm"], strict=True):
         shown = "-" if c is None else f"{c:+.3f}"
         print(f"iteration {n:3d}  |d| {m:.5f}  cos(d, previous d) {shown}")

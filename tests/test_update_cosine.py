@@ -48,3 +48,15 @@ def test_cosines_and_norms_of_successive_updates(tmp_path: Path) -> None:
 def test_a_bad_range_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--from"):
         update_cosine.update_cosines(tmp_path, 0, 3)
+
+
+def test_precondition_is_adams_scaling_of_a_fresh_gradient() -> None:
+    g = torch.tensor([0.3, -0.2, 0.0], dtype=torch.float64)
+    # no state: a first Adam step, m_hat / sqrt(v_hat) = g / |g|
+    assert update_cosine.precondition(g, None, 0).tolist() == [1.0, -1.0, 0.0]
+    # v = (0.04, 0.01, 0) after t = 10 steps: v_hat = v / (1 - 0.999^10)
+    v = torch.tensor([0.04, 0.01, 0.0], dtype=torch.float64)
+    c = 1.0 - 0.999**10
+    got = update_cosine.precondition(g, v, 10.0)
+    want = [0.3 / (math.sqrt(0.04 / c) + 1e-8), -0.2 / (math.sqrt(0.01 / c) + 1e-8), 0.0]
+    assert got.tolist() == pytest.approx(want, rel=1e-12)
