@@ -75,8 +75,8 @@ def precondition(g: Tensor, exp_avg_sq: Tensor | None, step: float, beta2: float
     return g / ((exp_avg_sq / (1.0 - beta2**step)).sqrt() + eps)
 
 
-def fresh_direction(run: Path, n: int, names: list[str], batch: int = 64) -> Tensor:
-    """p_n of the module docstring, flattened in `names` order (float64)."""
+def fresh_direction(run: Path, n: int, names: list[str], batch: int = 64) -> tuple[Tensor, Tensor]:
+    """(p_n, g_n) of the module docstring, flattened in `names` order (float64)."""
     from wamrl import sampler
     from wamrl.policy import load_policy
     from wamrl.ppo import _transition, load_iteration
@@ -103,27 +103,33 @@ def fresh_direction(run: Path, n: int, names: list[str], batch: int = 64) -> Ten
     g = torch.cat([x.flatten() for x in grads])
     state = paths.actor_dir(run, n - 1) / paths.OPTIMIZER_FILE
     if n == 1 or not state.exists():
-        return precondition(g, None, 0)
+        return precondition(g, None, 0), g
     adam = load_tensors(state, "Adam state")
     v = torch.cat([adam[f"{k}.exp_avg_sq"].flatten().double() for k in names])
-    return precondition(g, v, float(adam[f"{names[0]}.step"]))
+    return precondition(g, v, float(adam[f"{names[0]}.step"])), g
 
 
 def gradient_cosines(run: Path, first: int, last: int) -> dict[str, list]:
     """{"gradient_cosine": [cos(d_n, p_n)], "gradient_cosine_to_previous": [cos(p_n,
-    p_{n-1})]} for n = first..last (the first entry of the second: None)."""
+    p_{n-1})], "raw_gradient_cosine_to_previous": [cos(g_n, g_{n-1})]} for n = first..last
+    (the first entry of the last two: None)."""
     names = sorted(actor_tensors(run, last))
     cos = torch.nn.functional.cosine_similarity
-    fresh, out = {}, {"gradient_cosine": [], "gradient_cosine_to_previous": []}
+    fresh, raw = {}, {}
+    out: dict[str, list] = {
+        "gradient_cosine": [],
+        "gradient_cosine_to_previous": [],
+        "raw_gradient_cosine_to_previous": [],
+    }
     for n in range(first, last + 1):
         now, before = (flat(actor_tensors(run, i, names), names) for i in (n, n - 1))
         d = now - before
-        fresh[n] = fresh_direction(run, n, names)
+        fresh[n], raw[n] = fresh_direction(run, n, names)
         out["gradient_cosine"].append(float(cos(d, fresh[n], dim=0)))
-        prev = fresh.get(n - 1)
-        out["gradient_cosine_to_previous"].append(
-            None if prev is None else float(cos(fresh[n], prev, dim=0))
-        )
+        for key, vecs in (("gradient_cosine_to_previous", fresh),
+                          ("raw_gradient_cosine_to_previous", raw)):  # fmt: skip
+            prev = vecs.get(n - 1)
+            out[key].append(None if prev is None else float(cos(vecs[n], prev, dim=0)))
         print(f"iteration {n:3d}  cos(d, p) {out['gradient_cosine'][-1]:+.3f}", flush=True)
     return out
 
