@@ -17,6 +17,7 @@ update measures it exactly on every minibatch and stops once it passes actor.tar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -517,6 +518,39 @@ def _weights(optimizer: Any, params: list[nn.Parameter]) -> list[Tensor]:
     return optimizer.masters if isinstance(optimizer, MasterWeightOptimizer) else params
 
 
+def search_alpha(
+    kl_at: Callable[[float], float], kl: float, max_kl: float, tries: int = 8
+) -> tuple[float, int]:
+    """The alpha in (0, 1) at which the scaled-back update's KL, kl_at(alpha), lies within
+    0.9-1 x max_kl, given KL(1) = kl > max_kl. Each try aims at 0.95 x max_kl along the
+    local power law KL ~ alpha^p, p fitted through the last two points tried (2, the
+    Gaussian KL's small-step law, before there are two), inside the bracket [lo, hi] of
+    alphas known to lie under and over max_kl (else its midpoint). Returns (lo, tries made):
+    the highest alpha found under max_kl, 0 if none was.
+
+    Why fit p: aimed at max_kl by the square law alone, every try of a KL that grows slower
+    than alpha^2 lands just over it, so the bracket's low end stayed at 0 and the whole
+    update was discarded (the H100 run of 2026-12-07, iteration 1: KL 0.021, 7 passes).
+    """
+    target = 0.95 * max_kl
+    lo, hi, p = 0.0, 1.0, 2.0
+    alpha, kl_a = 1.0, kl
+    for passes in range(1, tries + 1):
+        guess = alpha * (target / kl_a) ** (1.0 / p) if kl_a > 0 else hi
+        prev, kl_prev = alpha, kl_a
+        alpha = guess if lo < guess < hi else 0.5 * (lo + hi)
+        kl_a = kl_at(alpha)
+        if kl_a > 0 and kl_prev > 0 and kl_a != kl_prev:
+            p = min(max(math.log(kl_a / kl_prev) / math.log(alpha / prev), 0.5), 4.0)
+        if kl_a <= max_kl:
+            lo = alpha
+            if kl_a >= 0.9 * max_kl:
+                return lo, passes
+        else:
+            hi = alpha
+    return lo, tries
+
+
 @torch.no_grad()
 def project_update(
     policy: Policy,
@@ -530,13 +564,10 @@ def project_update(
     batch: int,
     device: torch.device | str,
     amp: torch.dtype | None = None,
-    tries: int = 6,
 ) -> dict[str, Any]:
     """Scale the update (whose exact KL from pi_old is `kl` > max_kl) back along its own
-    direction, w = start + alpha (end - start), to the largest alpha found whose KL is at
-    most max_kl: the square law alpha = sqrt(max_kl / KL) from the last point tried, kept
-    inside the bracket [lo, hi] of alphas known to lie under and over max_kl (else its
-    midpoint), until a KL within 0.9-1 x max_kl or `tries` passes.
+    direction, w = start + alpha (end - start), to the alpha search_alpha finds (KL within
+    0.9-1 x max_kl), each try one exact learner pass.
 
     Why: target_kl is checked before each optimizer step, so the step that crosses it is
     taken whole; one Adam step at lr 1e-5 reached 2.4x target_kl on the GPU and 5x with
@@ -544,32 +575,22 @@ def project_update(
     Returns {"kl_before", "alpha", "passes", "after" (the LearnerPass at alpha)}.
     """
     end = [w.detach().clone() for w in weights]
+    passes: dict[float, LearnerPass] = {0.0: old}  # KL(0) = 0: the weights before the update
 
-    def place(alpha: float) -> tuple[float, LearnerPass]:
+    def place(alpha: float) -> None:
         for w, s, e in zip(weights, start, end, strict=True):
             w.copy_(s + alpha * (e - s))
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_params()
-        after = learner_pass(policy, data, batch, device, amp)
-        return kl_by_k_star(old, after, data.k_star, data.K)["kl"], after
 
-    lo, hi = 0.0, 1.0  # KL(0) = 0 <= max_kl < KL(1) = kl
-    alpha, kl_a, passes = 1.0, kl, 0
-    while passes < tries:
-        guess = alpha * math.sqrt(max_kl / kl_a) if kl_a > 0 else hi
-        alpha = guess if lo < guess < hi else 0.5 * (lo + hi)
-        kl_a, after = place(alpha)
-        passes += 1
-        if kl_a <= max_kl:
-            lo = alpha
-            if kl_a >= 0.9 * max_kl:
-                break
-        else:
-            hi = alpha
-    if alpha != lo:  # the last alpha tried lies over max_kl: back to the bracket's low end
-        kl_a, after = place(lo)
-        passes += 1
-    return {"kl_before": kl, "alpha": lo, "passes": passes, "after": after}
+    def kl_at(alpha: float) -> float:
+        place(alpha)
+        passes[alpha] = learner_pass(policy, data, batch, device, amp)
+        return kl_by_k_star(old, passes[alpha], data.k_star, data.K)["kl"]
+
+    alpha, tries = search_alpha(kl_at, kl, max_kl)
+    place(alpha)
+    return {"kl_before": kl, "alpha": alpha, "passes": tries, "after": passes[alpha]}
 
 
 # ---- reading the kept macro-steps from the stores -----------------------------------------
