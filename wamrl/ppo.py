@@ -575,7 +575,7 @@ def project_update(
     Returns {"kl_before", "alpha", "passes", "after" (the LearnerPass at alpha)}.
     """
     end = [w.detach().clone() for w in weights]
-    passes: dict[float, LearnerPass] = {0.0: old}  # KL(0) = 0: the weights before the update
+    measured: dict[float, LearnerPass] = {0.0: old}  # alpha 0: the weights before the update
 
     def place(alpha: float) -> None:
         for w, s, e in zip(weights, start, end, strict=True):
@@ -585,12 +585,12 @@ def project_update(
 
     def kl_at(alpha: float) -> float:
         place(alpha)
-        passes[alpha] = learner_pass(policy, data, batch, device, amp)
-        return kl_by_k_star(old, passes[alpha], data.k_star, data.K)["kl"]
+        measured[alpha] = learner_pass(policy, data, batch, device, amp)
+        return kl_by_k_star(old, measured[alpha], data.k_star, data.K)["kl"]
 
     alpha, tries = search_alpha(kl_at, kl, max_kl)
     place(alpha)
-    return {"kl_before": kl, "alpha": alpha, "passes": tries, "after": passes[alpha]}
+    return {"kl_before": kl, "alpha": alpha, "passes": tries, "after": measured[alpha]}
 
 
 # ---- reading the kept macro-steps from the stores -----------------------------------------
