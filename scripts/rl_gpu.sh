@@ -10,9 +10,10 @@
 # The task contexts come from data/contexts (the box needs no text encoder). On the H200
 # with NVIDIA EGL, export __EGL_VENDOR_LIBRARY_FILENAMES (the device README says how).
 # The code runs from a copy (RUN_DIR/.src), so editing the checkout cannot change a
-# running job. TARGETS (default: iteration 0's and the last iteration's eval) and
-# EXTRA_CONFIG (a YAML file merged over configs/rl_gpu.yaml) may be set; FOREGROUND=1 waits
-# for Snakemake and returns its exit status (scripts/ablate_gpu.sh runs variants so).
+# running job; `bash RUN_DIR/.src/scripts/rl_gpu.sh RUN_DIR` restarts on that copy. TARGETS
+# (default: iteration 0's and the last iteration's eval) and EXTRA_CONFIG (a YAML file
+# merged over configs/rl_gpu.yaml) may be set; FOREGROUND=1 waits for Snakemake and returns
+# its exit status (scripts/ablate_gpu.sh runs variants so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run=$(realpath -m "$1")
@@ -27,10 +28,14 @@ if [[ $# -ge 3 ]]; then
   export PYTHONPATH=/root/site:${PYTHONPATH:-}
 fi
 mkdir -p "$run"
-rsync -a --delete --exclude .git --exclude runs --exclude '.bundle' --exclude '.whl' --exclude '.gl' \
-  --exclude .venv ./ "$run/.src/" 2>/dev/null || { rm -rf "$run/.src"; mkdir -p "$run/.src"; \
-  tar --exclude=./.git --exclude=./runs --exclude=./.bundle --exclude=./.whl --exclude=./.gl \
-  --exclude=./.venv -cf - . | tar -xf - -C "$run/.src"; }
+# Started from RUN_DIR/.src itself (a restart on the code it ran), there is nothing to copy,
+# and the tar fallback's rm would delete the very tree it copies from.
+if [[ $(pwd -P) != "$(realpath -m "$run/.src")" ]]; then
+  rsync -a --delete --exclude .git --exclude runs --exclude '.bundle' --exclude '.whl' --exclude '.gl' \
+    --exclude .venv ./ "$run/.src/" 2>/dev/null || { rm -rf "$run/.src"; mkdir -p "$run/.src"; \
+    tar --exclude=./.git --exclude=./runs --exclude=./.bundle --exclude=./.whl --exclude=./.gl \
+    --exclude=./.venv -cf - . | tar -xf - -C "$run/.src"; }
+fi
 export PYTHONPATH=$run/.src:${PYTHONPATH:-}
 # The Snakefile calls `wamrl`; where the package is not installed, a shim on PATH runs it.
 if ! command -v wamrl >/dev/null; then
