@@ -14,6 +14,7 @@
     wamrl verify RUN_DIR                every artifact's checksums, sha256s and headers
     wamrl report RUN_DIR [--out DIR]    curves, health, videos -> DIR/index.html
     wamrl status RUN_DIR                one screen: stages done, KL, evals, the next job
+    wamrl compare A/eval.json B/eval.json   is B better than A, beyond noise? (paired)
     wamrl config                        print the resolved config (validated)
 
 Config: the run's resolved config (.wamrl/config.yaml in the run dir, written by the
@@ -203,6 +204,25 @@ def status(
     from wamrl.status import print_status
 
     print_status(run_dir)
+
+
+@app.command()
+def compare(
+    eval_a: Annotated[Path, typer.Argument(help="the first eval.json (e.g. the base's)")],
+    eval_b: Annotated[Path, typer.Argument(help="the second eval.json (e.g. after RL)")],
+    json_out: Annotated[bool, typer.Option("--json", help="print the comparison as JSON")] = False,
+) -> None:
+    """Per task and in all, B's success against A's: the unpaired two-proportion z and,
+    where the evals' episodes pair (one protocol and eval seed), McNemar's paired test."""
+    import json
+
+    from wamrl.artifact import read_json
+    from wamrl.compare import compare as compare_evals
+    from wamrl.compare import table
+
+    a, b = (read_json(p, "an eval.json", keys=("tasks", "protocol")) for p in (eval_a, eval_b))
+    result = compare_evals(a, b)
+    typer.echo(json.dumps(result, indent=1) if json_out else table(result, "A", "B"))
 
 
 @app.command()

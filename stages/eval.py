@@ -125,8 +125,11 @@ def success_table(report: dict[str, Any]) -> str:
 def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
     """Per-task and per-suite success rates; the average is over tasks (suites weigh by size).
 
-    episodes: (task index, success, env crashed); a crashed episode counts as a failure and
-    is reported per task, so a broken env cannot pass for a weak policy unnoticed."""
+    episodes: (task index, success, env crashed) in episode order; a crashed episode counts
+    as a failure and is reported per task, so a broken env cannot pass for a weak policy
+    unnoticed. `outcomes` keeps each task's successes in that order: episode k starts from
+    init state k and x_0 seed (task, k) whatever the policy, so two evals of one protocol
+    pair episode by episode (wamrl.compare)."""
     by_task: dict[int, list[tuple[bool, bool]]] = defaultdict(list)
     for task_index, success, crashed in episodes:
         by_task[task_index].append((success, crashed))
@@ -140,6 +143,7 @@ def summarise(tasks, episodes: list[tuple[int, bool, bool]]) -> dict[str, Any]:
             "success_rate": rate,
             "episodes": len(res),
             "env_crashed": sum(c for _, c in res),
+            "outcomes": [s for s, _ in res],
         }
         suite_rates[t.suite].append(rate)
     suites = {s: float(np.mean(r)) for s, r in suite_rates.items()}
@@ -180,11 +184,11 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
     env_cfg = {**cfg["env"], "msaa": protocol.msaa}  # the env processes take a dict
     device = pick_device(cfg, "eval")
     torch.set_num_threads(1)
-    results: list[tuple[int, bool, bool]] = []
+    results: dict[int, tuple[int, bool, bool]] = {}  # by spec index: episodes end in any order
     videos: dict[int, np.ndarray] = {}
 
     def on_episode(i: int, data) -> None:
-        results.append((data.task, bool(data.success), bool(data.env_crashed)))
+        results[i] = (data.task, bool(data.success), bool(data.env_crashed))
         faults.point("episode")
         if data.video_frames is not None:
             videos[i] = data.video_frames
@@ -215,7 +219,7 @@ def main(cfg: dict[str, Any], run_dir: Path, iteration: int) -> None:
         "checkpoint_sha256": checkpoint_sha256(policy_dir),
         "episodes_per_task": protocol.episodes_per_task,
         "protocol": asdict(protocol),
-        **summarise(tasks, results),
+        **summarise(tasks, [results[i] for i in sorted(results)]),
         "reference": reference_rates(cfg, tasks),
         "wall_time_s": round(time.time() - start, 2),
         # of which, after the policy loaded: env builds, first resets, graph capture

@@ -19,6 +19,7 @@ def test_summarise_rates_suites_average_and_crashes() -> None:
     out = summarise(chosen, episodes)
     t0, t1, t30 = (out["tasks"][t.name] for t in chosen)
     assert (t0["success_rate"], t0["episodes"], t0["env_crashed"]) == (0.5, 4, 1)
+    assert t0["outcomes"] == [True, False, True, False]  # episode order: wamrl.compare pairs them
     assert (t1["success_rate"], t1["env_crashed"]) == (0.0, 1)
     assert t30["success_rate"] == 1.0
     assert out["suites"] == pytest.approx({"libero_spatial": 0.25, "libero_10": 1.0})

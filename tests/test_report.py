@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from stages.cli import app
 from wamrl import tb
+from wamrl.compare import two_proportion_z
 from wamrl.report import build_report, parse_snakemake_log, wilson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +211,27 @@ def test_three_evals_and_a_half_finished_run(tmp_path: Path) -> None:
     html = index.read_text()
     assert "1 improved, 1 regressed" in html
     assert "eval_videos/iter_003/07_ketchup_init0.mp4" in _referenced(index)
+    # first (7/20) against last (10/20) eval: unpaired, since these carry no outcomes
+    change = data["eval_change"]
+    assert change["z"] == pytest.approx(two_proportion_z(7, 20, 10, 20))
+    assert change["paired"] is None and "two-proportion z = 0.96" in html
+
+
+def test_report_pairs_evals_with_outcomes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    name = "pick_up_the_milk_and_place_it_in_the_basket"
+    for it, outcomes in ((0, [True, False, False, False]), (4, [True, True, True, False])):
+        ev = _eval(it, {name: sum(outcomes) / 4}, episodes=4)
+        ev["tasks"][name]["outcomes"] = outcomes
+        ev |= {"protocol": {"name": "wamrl"}, "config": {"eval": {"seed": 1234}}}
+        (run / f"iter_{it:03d}").mkdir(parents=True)
+        (run / f"iter_{it:03d}" / "eval.json").write_text(json.dumps(ev))
+    index = build_report(run)
+    # two episodes only policy 4 won, none only the base: p = 2 * 0.5^2
+    assert _load(run / "report" / "report.json")["eval_change"]["paired"] == {
+        "b_only": 2, "a_only": 0, "z": pytest.approx(math.sqrt(2)), "p": 0.5
+    }  # fmt: skip
+    assert "McNemar z = 1.41, p = 0.5" in index.read_text()
 
 
 def test_empty_run_dir_still_reports(tmp_path: Path) -> None:

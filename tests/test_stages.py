@@ -157,6 +157,7 @@ def test_eval_two_tasks_writes_contract_json(rollout_run):
     assert len(report["tasks"]) == 2
     assert {v["suite"] for v in report["tasks"].values()} == {"libero_spatial", "libero_object"}
     assert all(v["episodes"] == 1 and 0 <= v["success_rate"] <= 1 for v in report["tasks"].values())
+    assert all(v["outcomes"] == [v["success_rate"] == 1] for v in report["tasks"].values())
     assert set(report["suites"]) == {"libero_spatial", "libero_object"}
     assert report["config"]["eval"]["tasks"] == [0, 10]
     videos = list((paths.iter_dir(run, 0) / "eval_videos").glob("*.mp4"))

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from wamrl.artifact import ArtifactError, read_json
+from wamrl.compare import compare
 
 Z95 = 1.959963984540054  # two-sided 95 % normal quantile
 ITER_RE = re.compile(r"^iter_(\d{3})$")
@@ -283,6 +284,7 @@ def collect(run: Path) -> dict[str, Any]:
     """Everything the report plots, one row per iteration directory (JSON-able)."""
     run = Path(run)
     rows: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     env_steps_total = 0.0
     for it_dir in _iter_dirs(run):
         it = int(it_dir.name[5:])
@@ -360,6 +362,7 @@ def collect(run: Path) -> dict[str, Any]:
         ev = _json(it_dir / "eval.json")
         if ev and ev.get("tasks"):
             row["eval"] = _eval_summary(ev)
+            evals.append(ev)
         rows.append(row)
     jobs = stage_jobs(run) if run.is_dir() else []
     _attach_hours(rows, jobs)
@@ -369,7 +372,18 @@ def collect(run: Path) -> dict[str, Any]:
         "iterations": rows,
         "jobs": [asdict(j) | {"iteration": j.iteration, "seconds": j.seconds} for j in jobs],
         "artifact_times": [] if jobs else artifact_times(run),
+        # first eval against the last: the unpaired z and, where the episodes pair, McNemar's
+        "eval_change": _eval_change(evals[0], evals[-1]) if len(evals) > 1 else None,
     }
+
+
+def _eval_change(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any] | None:
+    """wamrl.compare's totals of two evals; None where they share no task."""
+    try:
+        c = compare(first, last)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError):  # a hand-edited eval.json
+        return None
+    return {k: c[k] for k in ("a", "b", "n_a", "n_b", "z", "paired", "unpaired_because")}
 
 
 def _attach_hours(rows: list[dict[str, Any]], jobs: list[Job]) -> None:
@@ -861,6 +875,14 @@ def summary_lines(data: dict[str, Any], matrix: dict[str, Any]) -> list[str]:
                     else " (95 % intervals overlap: within binomial noise)"
                 )
             )
+            change = data.get("eval_change")
+            if change:
+                line += f"; two-proportion z = {change['z']:.2f}"
+                if p := change["paired"]:
+                    line += (
+                        f"; paired by episode, {p['b_only']} won only after and {p['a_only']}"
+                        f" only before: McNemar z = {p['z']:.2f}, p = {p['p']:.2g}"
+                    )
         lines.append(line)
     deltas = [(n, _change(v)) for n, v in zip(matrix["tasks"], matrix["values"], strict=True)]
     deltas = [(n, d) for n, d in deltas if d is not None]
