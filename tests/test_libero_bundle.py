@@ -203,3 +203,12 @@ def test_install_wheel(tmp_path):
         "demo_extra.py",
     ]
     assert lb._top_levels(list(zipfile.ZipFile(whl).namelist())) == ["demo", "demo_extra"]
+
+
+def test_build_refuses_an_unknown_suite_before_touching_the_old_bundle(tmp_path):
+    # A typo fails at once, not after minutes of tracing, and the bundle there stays whole.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bundle.part00").write_bytes(b"an earlier bundle")
+    with pytest.raises(SystemExit, match=r"--suites \['libero_objekt'\]: no such suite"):
+        lb.main(["build", str(tmp_path / "b"), "--suites", "libero_object", "libero_objekt"])
+    assert (tmp_path / "b" / "bundle.part00").read_bytes() == b"an earlier bundle"
