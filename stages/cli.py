@@ -220,7 +220,7 @@ def compare(
     from wamrl.compare import compare as compare_evals
     from wamrl.compare import table
 
-    a, b = (read_json(p, "an eval.json", keys=("tasks", "protocol")) for p in (eval_a, eval_b))
+    a, b = (read_json(p, "an eval.json", keys=("tasks",)) for p in (eval_a, eval_b))
     result = compare_evals(a, b)
     typer.echo(json.dumps(result, indent=1) if json_out else table(result, "A", "B"))
 
