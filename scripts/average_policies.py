@@ -3,13 +3,15 @@
     python scripts/average_policies.py RUN_DIR --iters 1-8 --out COPY_RUN/iter_108/policy
     wamrl eval --iter 108 --run-dir COPY_RUN
 
-Why: each PPO update is bounded (KL ~0.01), but a few per cent of its gradient is shared
-signal (docs/rl_gpu.md), so the policy takes a random walk with a weak drift and eval rises,
-then falls (data/rl_ketchup_cpu/recipe: 0.113 -> 0.338 -> 0.125). Averaging the iterates keeps
-the drift and shrinks the walk's noise by ~1/sqrt(n): the textbook remedy for noisy stochastic
-approximation. The policies lie within a few hundredths of KL of each other, so their weights
-average as one model. Every floating-point tensor is the mean (weights: --ema, else uniform) of
-the listed policies', in float64, cast back; the context and stats are the last policy's.
+Why: eval rises, then falls (data/rl_ketchup_cpu/recipe: 0.175 -> 0.450 at policy 5 ->
+0.075), every update bounded (KL ~0.01). Averaging the iterates (Polyak-Ruppert) is the
+textbook remedy for a noisy stochastic approximation; there, the average of policies 1-8 scored
+0.388 against policy 8's 0.125 (80 episodes), but that of 5-8 only 0.200: the updates ran along
+a straight line (Adam's momentum), and the average of 1-N lands near policy N/2: near the
+peak by the path's shape, not by averaging noise away. A measurement tool, not a cure.
+Updates this small leave the policies close enough to average as one model. Every
+floating-point tensor is the mean (weights: --ema, else uniform) of the listed policies', in
+float64, cast back; the context and stats are the last policy's.
 """
 
 from __future__ import annotations
