@@ -1,7 +1,10 @@
 """The weight average of a run's policies (Polyak-Ruppert averaging), as a policy to evaluate.
 
+    mkdir -p COPY_RUN/.wamrl && cp RUN_DIR/.wamrl/config.yaml COPY_RUN/.wamrl/
     python scripts/average_policies.py RUN_DIR --iters 1-8 --out COPY_RUN/iter_108/policy
     wamrl eval --iter 108 --run-dir COPY_RUN
+
+(A copy run, so the run's own status and report do not take the average for iteration 108.)
 
 Why: eval rises, then falls (data/rl_ketchup_cpu/recipe: 0.175 -> 0.450 at policy 5 ->
 0.075), every update bounded (KL ~0.01). Averaging the iterates (Polyak-Ruppert) is the
