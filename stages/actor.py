@@ -34,7 +34,7 @@ from wamrl.artifact import (
 )
 from wamrl.atomic import atomic_dir, write_json
 from wamrl.config import ActorSection, RolloutSection, check_made_under, section
-from wamrl.ppo import actor_update, load_actor_data
+from wamrl.ppo import actor_update, load_actor_data, trust_region_scale
 from wamrl.runtime import pick_device
 from wamrl.training import (
     optimizer_from_tensors,
@@ -100,8 +100,10 @@ def _run(
             names, load_tensors(prev_actor / paths.MASTER_FILE, "master weights")
         )
 
+    # actor.anneal: the trust region shrinks over the run's pipeline.iterations
+    scale = trust_region_scale(acfg.anneal, iteration, int(cfg["pipeline"]["iterations"]))
     metrics = actor_update(
-        policy, ref, data, cfg, opt, device=device, seed=int(cfg["seed"]) * 1000 + iteration
+        policy, ref, data, cfg, opt, device, int(cfg["seed"]) * 1000 + iteration, scale
     )
     metrics["optimizer_state_restored_params"] = restored
     # Adam's moments carry over from iteration n-1's actor/ (not a declared input: the DAG

@@ -272,6 +272,53 @@ def test_max_kl_scales_an_overshooting_update_back_along_its_direction() -> None
         torch.testing.assert_close(p, f, rtol=0, atol=0)
 
 
+def test_trust_region_scale_shrinks_the_update_length_linearly() -> None:
+    """actor.anneal linear: (1 - (n - 1) / N)^2 on the KL bounds, held at (1 / N)^2 past N."""
+    from wamrl.ppo import trust_region_scale
+
+    assert [trust_region_scale("linear", n, 4) for n in (1, 2, 3, 4, 5, 9)] == [
+        1.0, 0.5625, 0.25, 0.0625, 0.0625, 0.0625,
+    ]  # fmt: skip
+    assert trust_region_scale("linear", 5, 8) == 0.25
+    assert trust_region_scale("none", 7, 8) == 1.0
+    with pytest.raises(ValueError, match="unknown schedule 'cosine'"):
+        trust_region_scale("cosine", 1, 8)
+    with pytest.raises(ValueError, match="iteration 0 of 8"):
+        trust_region_scale("linear", 0, 8)
+
+
+def test_kl_scale_shrinks_both_bounds_of_the_update() -> None:
+    """kl_scale 0.25 on max_kl 0.04 ends the update at KL 0.009-0.01, as max_kl 0.01 does,
+    and metrics.json trust_region records the bounds used."""
+    from tests.helpers import ONE_LAYER_TINY, make_tiny_policy
+    from tests.test_ddp import _cfg, _data
+    from wamrl import ppo
+    from wamrl.master import MasterWeightOptimizer
+
+    policy = make_tiny_policy(config=ONE_LAYER_TINY)
+    opt = MasterWeightOptimizer(
+        policy.parameter_groups()["actor"], lambda ps: torch.optim.Adam(ps, lr=3e-3)
+    )
+    cfg = _cfg(epochs=2, minibatch=None, micro_batch=4, ref_kl=0.0, max_kl=0.04, target_kl=0.2)
+    m = ppo.actor_update(policy, None, _data(), cfg, opt, seed=7, kl_scale=0.25)
+    assert m["trust_region"] == {"scale": 0.25, "target_kl": 0.05, "max_kl": 0.01}
+    assert m["kl_projection"]["kl_before"] > 0.01
+    assert 0.009 <= m["kl"] <= 0.01
+
+
+def test_actor_stage_anneals_the_trust_region_over_the_runs_iterations(
+    tmp_path, monkeypatch
+) -> None:
+    """The actor stage scales the bounds by trust_region_scale(anneal, n, pipeline.iterations)."""
+    from tests.test_master import _cfg, _policy, _run_actor_stage
+
+    cfg = _cfg(1, 4)
+    cfg["actor"].update(anneal="linear", target_kl=0.04, max_kl=0.02, amp=None)
+    cfg["pipeline"]["iterations"] = 4
+    m = _run_actor_stage(monkeypatch, tmp_path, 3, _policy(torch.float32), cfg)
+    assert m["trust_region"] == {"scale": 0.25, "target_kl": 0.01, "max_kl": 0.005}
+
+
 @pytest.mark.parametrize("power", [1.0, 1.3, 2.0, 3.0])
 @pytest.mark.parametrize("kl", [0.0108, 0.0206, 0.2])
 def test_search_alpha_lands_in_the_window_for_any_power_law(power: float, kl: float) -> None:

@@ -372,6 +372,7 @@ class ActorSection:
     clip_high: float
     target_kl: float | None
     max_kl: float | None
+    anneal: str  # none | linear
     ref_kl: float
     step_weight: str  # none | inv_sensitivity
     grad_clip: float

@@ -331,6 +331,7 @@ def actor_update(
     optimizer: torch.optim.Optimizer | MasterWeightOptimizer,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    kl_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Up to actor.epochs PPO epochs over all kept macro-steps in shuffled minibatches
     (each computed in actor.micro_batch parts, gradients accumulated: the same update).
@@ -338,6 +339,7 @@ def actor_update(
     Trust region: before each optimizer step the minibatch's exact KL from pi_old
     (kl_by_k_star's formula on the minibatch) is measured; once it passes actor.target_kl
     the update stops without taking that step (metrics["early_stop"] says where).
+    kl_scale multiplies target_kl and max_kl (actor.anneal's trust_region_scale).
     Raises LogProbMismatchError before touching the weights if log pi_old is not
     reproduced, and NonFiniteError on any NaN/Inf in loss, gradients or parameters.
     Returns {"logp_check": ..., "epochs": [per-epoch metrics], "kl": ..., ...}.
@@ -374,7 +376,9 @@ def actor_update(
     # accumulate; the same update) so that a minibatch need not fit the GPU at once.
     micro = min(int(acfg.get("micro_batch") or mb), mb)
     amp = AMP_DTYPES[acfg.get("amp")]
-    target_kl = acfg.get("target_kl")
+    target_kl = _scaled(acfg.get("target_kl"), kl_scale)
+    max_kl = _scaled(acfg.get("max_kl"), kl_scale)
+    metrics["trust_region"] = {"scale": kl_scale, "target_kl": target_kl, "max_kl": max_kl}
     ref_kl = float(acfg["ref_kl"])
     step_weight = None  # [K] per-k* loss weights (actor.step_weight), on the device
     if acfg.get("step_weight", "none") == "inv_sensitivity":
@@ -402,7 +406,7 @@ def actor_update(
 
     # actor.max_kl: the weights before any step, to scale the update back toward (float32).
     weights = _weights(optimizer, params)
-    initial = [w.detach().clone() for w in weights] if acfg.get("max_kl") is not None else []
+    initial = [w.detach().clone() for w in weights] if max_kl is not None else []
     rng = np.random.default_rng(seed)
     for epoch in range(int(acfg["epochs"])):
         perm = rng.permutation(len(data))
@@ -500,16 +504,39 @@ def actor_update(
     # The iteration's step, measured exactly over every kept step (one more no-grad pass).
     after = learner_pass(policy, data, micro, device, amp)
     metrics.update(kl_by_k_star(old, after, data.k_star, data.K, data.task))
-    max_kl = acfg.get("max_kl")
-    if max_kl is not None and metrics["kl"] > float(max_kl):
+    if max_kl is not None and metrics["kl"] > max_kl:
         metrics["kl_projection"] = project_update(
-            policy, data, old, metrics["kl"], initial, weights, optimizer, float(max_kl), micro,
+            policy, data, old, metrics["kl"], initial, weights, optimizer, max_kl, micro,
             device, amp,
         )  # fmt: skip
         metrics.update(
             kl_by_k_star(old, metrics["kl_projection"].pop("after"), data.k_star, data.K, data.task)
         )
     return metrics
+
+
+def trust_region_scale(anneal: str, iteration: int, iterations: int) -> float:
+    """actor.anneal: the factor on target_kl and max_kl at iteration n (1-based) of a run of
+    N = pipeline.iterations. "linear": the update's length falls linearly, 1 - (n - 1) / N
+    (CleanRL's anneal_lr), held at its last value 1 / N past N; a small update's KL grows
+    as the square of its length, so the bounds take the square. "none": 1.
+
+    Why: at a constant KL per update the policy walked on past its peak (data/rl_ketchup_cpu
+    recipe/: 0.450 at policy 5, 0.075 at 8), each update the same length whether or not the
+    gradient still pointed uphill; constant-step SGD settles only when its step shrinks.
+    """
+    if anneal == "none":
+        return 1.0
+    if anneal != "linear":
+        raise ValueError(f"actor.anneal: unknown schedule {anneal!r} (none | linear)")
+    if iteration < 1 or iterations < 1:
+        raise ValueError(f"trust_region_scale: iteration {iteration} of {iterations}")
+    n = min(iteration, iterations)
+    return (1.0 - (n - 1) / iterations) ** 2
+
+
+def _scaled(bound: float | None, scale: float) -> float | None:
+    return None if bound is None else float(bound) * scale
 
 
 def _weights(optimizer: Any, params: list[nn.Parameter]) -> list[Tensor]:
