@@ -416,3 +416,17 @@ def test_report_loads_in_headless_chromium_with_no_missing_image(tmp_path: Path)
     assert _broken_images(page) == "none"
     (tmp_path / "report" / "learning_curves.png").unlink()  # the check can fail
     assert _broken_images(page) == "learning_curves.png"
+
+
+def test_an_annealed_run_reports_each_iterations_own_kl_bound() -> None:
+    """actor.anneal: the report (and status) take each update's bound from its metrics.json
+    trust_region, not the config's constant target_kl (data/rl_object_v10: 8 bounds)."""
+    from wamrl.report import collect
+
+    run = Path(__file__).parents[1] / "data" / "rl_object_v10"
+    rows = {r["iteration"]: r for r in collect(run)["iterations"] if r.get("actor")}
+    assert sorted(rows) == list(range(1, 9))
+    for it, row in rows.items():
+        m = _load(run / f"iter_{it:03d}" / "actor" / "metrics.json")
+        assert row["actor"]["target_kl"] == m["trust_region"]["target_kl"]
+        assert row["actor"]["target_kl"] == pytest.approx(0.01 * (1 - (it - 1) / 8) ** 2)

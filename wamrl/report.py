@@ -344,7 +344,10 @@ def collect(run: Path) -> dict[str, Any]:
                 "early_stop": actor.get("early_stop"),
                 "kl_trace": actor.get("kl_trace"),
                 "steps": actor.get("steps"),
-                "target_kl": _num(acfg.get("target_kl")),
+                # the bound this update ran under: actor.anneal scales it per iteration
+                "target_kl": _num(
+                    (actor.get("trust_region") or {}).get("target_kl", acfg.get("target_kl"))
+                ),
                 "lr": _num(acfg.get("lr")),
                 "epochs": [
                     {
@@ -565,9 +568,13 @@ def plot_health(rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:
                 fontsize=7,
                 color="tab:red",
             )
-    targets = {r["actor"]["target_kl"] for r in act if r["actor"]["target_kl"]}
-    for t in targets:
-        kx.axhline(t, ls="--", color="tab:red", alpha=0.5, label=f"target_kl {t:g}")
+    bounds = [(r["iteration"], r["actor"]["target_kl"]) for r in act if r["actor"]["target_kl"]]
+    if len({t for _, t in bounds}) == 1:
+        kx.axhline(
+            bounds[0][1], ls="--", color="tab:red", alpha=0.5, label=f"target_kl {bounds[0][1]:g}"
+        )
+    elif bounds:  # actor.anneal: a bound per iteration
+        kx.plot(*zip(*bounds, strict=True), ls="--", color="tab:red", alpha=0.5, label="target_kl")
     if kl and all(r["actor"]["kl"] > 0 for r in kl):
         kx.set_yscale("log")
     kx.set(title="actor KL(pi_new || pi_old)", xlabel="iteration")
