@@ -14,7 +14,7 @@ out=$(realpath -m "${1:?usage: ablate_gpu.sh OUT_DIR [N] [NAME ...]}")
 n=${2:-3}
 shift $(($# >= 2 ? 2 : 1))
 names=("$@")
-[[ ${#names[@]} -gt 0 ]] || names=(recipe beta0 wm_live wm_frozen lr_half ref_kl0 adv_step kstar6 minibatch512 noise_a05 groups10 anneal_none)
+[[ ${#names[@]} -gt 0 ]] || names=(recipe beta0 wm_live wm_frozen lr_half ref_kl0 adv_step kstar6 minibatch512 noise_a05 groups10 anneal_none beta1_05)
 for name in "${names[@]}"; do  # every name checked before any GPU time is spent
   [[ $name == recipe || -f configs/ablations/$name.yaml ]] \
     || { echo "no such ablation: configs/ablations/$name.yaml" >&2; exit 2; }
