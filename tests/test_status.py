@@ -43,7 +43,7 @@ def test_status_of_the_shipped_run_shows_its_numbers(tmp_path: Path) -> None:
     print_status(run, console)
     out = console.export_text()
     actor5 = json.loads((run / "iter_005/actor/metrics.json").read_text())
-    assert f"{actor5['kl']:.4f}" in out and "epoch 1, mb 0" in out
+    assert f"{actor5['kl']:.3g}" in out and "epoch 1, mb 0" in out
     assert "0.455 [0.39, 0.52] n=200" in out  # iteration 2's eval, 91/200
     assert "60/128" in out and "15/16" in out  # iteration 1's rollout and groups kept
     assert "last eval: iteration 5, 0.390" in out

@@ -72,7 +72,7 @@ def status_table(run: Path) -> tuple[Table, list[str]]:
             " ".join(stages_done(run, n)),
             f"{_f(ro['success'])} ({ro['k']}/{ro['episodes']})" if ro else "-",
             f"{rw['groups_kept']}/{rw['groups_total']}" if rw else "-",
-            _f((ac or {}).get("kl"), ".4f"),
+            _f((ac or {}).get("kl"), ".3g"),
             f"epoch {stop['epoch']}, mb {stop['minibatch']}" if stop else ("none" if ac else "-"),
             _eval_cell(ev["average"]) if ev else "-",
         )
@@ -86,7 +86,7 @@ def status_table(run: Path) -> tuple[Table, list[str]]:
         a = actors[-1]["actor"]
         target = f" (target_kl {a['target_kl']:g})" if a.get("target_kl") else ""
         lines.append(
-            f"last actor update: iteration {actors[-1]['iteration']}, KL {_f(a['kl'], '.4f')}{target}"
+            f"last actor update: iteration {actors[-1]['iteration']}, KL {_f(a['kl'], '.3g')}{target}"
         )
     last = rows[-1]["iteration"] if rows else 0
     lines.append(f"next: {next_job(run, last)}" if rows else "next: init (no iteration yet)")
