@@ -102,9 +102,8 @@ def _run(
 
     # actor.anneal: the trust region shrinks over the run's pipeline.iterations
     scale = trust_region_scale(acfg.anneal, iteration, int(cfg["pipeline"]["iterations"]))
-    metrics = actor_update(
-        policy, ref, data, cfg, opt, device, int(cfg["seed"]) * 1000 + iteration, scale
-    )
+    seed = int(cfg["seed"]) * 1000 + iteration
+    metrics = actor_update(policy, ref, data, cfg, opt, device=device, seed=seed, kl_scale=scale)
     metrics["optimizer_state_restored_params"] = restored
     # Adam's moments carry over from iteration n-1's actor/ (not a declared input: the DAG
     # must not wait on it). Without it Adam starts from zero: said here, not silent.

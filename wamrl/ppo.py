@@ -358,7 +358,11 @@ def actor_update(
     acfg = cfg["actor"]
     params = [p for p in policy.parameter_groups()["actor"] if p.requires_grad]
     rank, world = distributed.rank(), distributed.world_size()
+    target_kl = _scaled(acfg.get("target_kl"), kl_scale)
+    max_kl = _scaled(acfg.get("max_kl"), kl_scale)
     metrics: dict[str, Any] = {
+        # the bounds this update runs under (a skipped one too: what it would have had)
+        "trust_region": {"scale": kl_scale, "target_kl": target_kl, "max_kl": max_kl},
         "steps": len(data),
         "groups_kept": data.groups_kept,
         "groups_total": data.groups_total,
@@ -376,9 +380,6 @@ def actor_update(
     # accumulate; the same update) so that a minibatch need not fit the GPU at once.
     micro = min(int(acfg.get("micro_batch") or mb), mb)
     amp = AMP_DTYPES[acfg.get("amp")]
-    target_kl = _scaled(acfg.get("target_kl"), kl_scale)
-    max_kl = _scaled(acfg.get("max_kl"), kl_scale)
-    metrics["trust_region"] = {"scale": kl_scale, "target_kl": target_kl, "max_kl": max_kl}
     ref_kl = float(acfg["ref_kl"])
     step_weight = None  # [K] per-k* loss weights (actor.step_weight), on the device
     if acfg.get("step_weight", "none") == "inv_sensitivity":
