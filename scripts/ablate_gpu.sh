@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Issue #18's ablation table: the recipe (configs/rl_gpu.yaml) and each of its one-change
-# variants (configs/ablations/NAME.yaml) for N iterations from the shipped base, one after
-# another on this box, each in OUT_DIR/NAME; then each policy N's eval (200 episodes).
+# variants (configs/ablations/NAME.yaml) for N iterations from the shipped base, each in
+# OUT_DIR/NAME; then each policy N's eval (200 episodes).
 #
 #   setsid nohup bash scripts/ablate_gpu.sh OUT_DIR [N] [NAME ...] &    # default N 3, all
 #   cat OUT_DIR/progress.log                                            # one line per step
 #
-# `recipe` is the unchanged recipe; its run also scores the base (iter_000/eval.json). The
+# `recipe` is the unchanged recipe; its run also scores the base (iter_000/eval.json) unless
+# BASE_EVAL=0 (the eval is deterministic: a base score of the same eval config may be copied
+# in). EXTRA_CONFIG (YAML files) is merged under every variant, e.g. a seed. JOBS variants
+# run at once (default 1): the rollout uses ~40 % of the box's physics (issue #25), so a few
+# side by side take little longer than one, but every env process holds ~1 GB, so give each
+# fewer envs (rollout.envs_per_worker, eval.envs) when JOBS x envs outgrows the memory. The
 # environment is rl_gpu.sh's (LIBERO and wheels installed, EGL exported).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,16 +24,27 @@ for name in "${names[@]}"; do  # every name checked before any GPU time is spent
   [[ $name == recipe || -f configs/ablations/$name.yaml ]] \
     || { echo "no such ablation: configs/ablations/$name.yaml" >&2; exit 2; }
 done
+common=()
+for f in ${EXTRA_CONFIG:-}; do common+=("$(realpath "$f")"); done
 mkdir -p "$out"
 log() { echo "$(date +%T) $*" | tee -a "$out/progress.log"; }
 last=$(printf 'iter_%03d/eval.json' "$n")
-for name in "${names[@]}"; do
-  extra="" targets=$last
-  if [[ $name == recipe ]]; then targets="iter_000/eval.json $last"; else extra=configs/ablations/$name.yaml; fi
+variant() {
+  local name=$1 extra=("${common[@]}") targets=$last
+  if [[ $name == recipe ]]; then
+    [[ ${BASE_EVAL:-1} == 0 ]] || targets="iter_000/eval.json $last"
+  else
+    extra+=("$(realpath "configs/ablations/$name.yaml")")
+  fi
   log "$name: iterations 1..$n, then eval"
-  if EXTRA_CONFIG=$extra TARGETS=$targets FOREGROUND=1 bash scripts/rl_gpu.sh "$out/$name"; then
+  if EXTRA_CONFIG="${extra[*]}" TARGETS=$targets FOREGROUND=1 bash scripts/rl_gpu.sh "$out/$name"; then
     log "$name: eval $(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["average"])' "$out/$name/$last")"
   else
     log "$name: failed (log: $out/$name/snakemake.log)"
   fi
+}
+for name in "${names[@]}"; do
+  while [[ $(jobs -rp | wc -l) -ge ${JOBS:-1} ]]; do wait -n || true; done
+  variant "$name" &
 done
+wait

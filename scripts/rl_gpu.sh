@@ -11,9 +11,9 @@
 # with NVIDIA EGL, export __EGL_VENDOR_LIBRARY_FILENAMES (the device README says how).
 # The code runs from a copy (RUN_DIR/.src), so editing the checkout cannot change a
 # running job; `bash RUN_DIR/.src/scripts/rl_gpu.sh RUN_DIR` restarts on that copy. TARGETS
-# (default: iteration 0's and the last iteration's eval) and EXTRA_CONFIG (a YAML file
-# merged over configs/rl_gpu.yaml) may be set; FOREGROUND=1 waits for Snakemake and returns
-# its exit status (scripts/ablate_gpu.sh runs variants so).
+# (default: iteration 0's and the last iteration's eval) and EXTRA_CONFIG (YAML files,
+# space-separated, merged over configs/rl_gpu.yaml in order) may be set; FOREGROUND=1 waits
+# for Snakemake and returns its exit status (scripts/ablate_gpu.sh runs variants so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run=$(realpath -m "$1")
@@ -46,12 +46,13 @@ if ! command -v wamrl >/dev/null; then
 fi
 iters=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['pipeline']['iterations'])" configs/rl_gpu.yaml)
 targets=${TARGETS:-iter_000/eval.json $(printf 'iter_%03d/eval.json' "$iters")}
-extra=${EXTRA_CONFIG:+$(realpath "$EXTRA_CONFIG")}
+extras=()
+for f in ${EXTRA_CONFIG:-}; do extras+=("$(realpath "$f")"); done
 cd "$run"
 # No --resources gpu: on one GPU, the tiny model's world-model job runs beside reward and
 # actor (serialising them costs ~30 s per iteration). --rerun-incomplete: a restart resumes.
 cmd=(python3 -m snakemake --snakefile .src/Snakefile --cores "$(nproc)" --rerun-incomplete
-  --configfile .src/configs/rl_gpu.yaml ${extra:+"$extra"} -- $targets)
+  --configfile .src/configs/rl_gpu.yaml "${extras[@]}" -- $targets)
 if [[ ${FOREGROUND:-0} == 1 ]]; then
   exec "${cmd[@]}" >"$run/snakemake.log" 2>&1
 fi
