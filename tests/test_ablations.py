@@ -5,6 +5,7 @@ refuses an unknown variant before it starts anything."""
 from __future__ import annotations
 
 import re
+import sys
 import subprocess
 from pathlib import Path
 
@@ -45,3 +46,24 @@ def test_an_unknown_variant_is_refused_before_anything_starts(tmp_path: Path) ->
     )  # fmt: skip
     assert r.returncode == 2 and "configs/ablations/nope.yaml" in r.stderr
     assert not out.exists()
+
+
+def test_the_table_pairs_each_variant_with_the_base_and_the_recipe(tmp_path: Path) -> None:
+    import shutil
+
+    v9 = ROOT / "data" / "rl_object_v9"
+    shutil.copytree(v9, tmp_path / "recipe")
+    shutil.copytree(v9, tmp_path / "same")
+    (tmp_path / "late" / ".wamrl").mkdir(parents=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/ablation_table.py"), str(tmp_path), "4",
+         "--base", str(v9 / "iter_000" / "eval.json")],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines()[2:]}
+    assert list(rows) == ["base", "`recipe`", "`late`", "`same`"]
+    # v9's policy 4: 122 of 200 (0.610); paired with the base 22 won, 13 lost (McNemar p 0.18)
+    assert "0.610 [0.54, 0.67] | 22 / 13 (p = 0.18)" in rows["`recipe`"]
+    assert "| 0 / 0 (p = 1) |" in rows["`same`"]  # the recipe's own episodes: no discordant one
+    assert "37/160, 43/160, 55/160, 43/160" in rows["`same`"]
+    assert "not finished" in rows["`late`"]

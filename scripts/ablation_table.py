@@ -1,0 +1,100 @@
+"""Issue #18's ablation table from `scripts/ablate_gpu.sh`'s OUT_DIR, as markdown.
+
+    python scripts/ablation_table.py OUT_DIR N --base BASE/iter_000/eval.json
+
+One row per variant folder (OUT_DIR/NAME holding iter_NNN/eval.json of policy N): its eval
+with the Wilson 95 % interval, then paired against the base and against `recipe` (episodes
+only the variant won / only the other won, McNemar's exact p; wamrl/compare.py), then per
+iteration the rollout's success (reward.done) and the KL of the actor's update
+(actor/metrics.json). A variant whose policy N has no eval is listed as not finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wamrl.compare import compare  # noqa: E402
+from wamrl.report import wilson  # noqa: E402
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _count(ev: dict) -> tuple[int, int]:
+    """(successes, episodes) over an eval's tasks."""
+    tasks = ev["tasks"].values()
+    return sum(round(t["success_rate"] * t["episodes"]) for t in tasks), sum(
+        int(t["episodes"]) for t in tasks
+    )
+
+
+def _rate(ev: dict) -> str:
+    k, n = _count(ev)
+    lo, hi = wilson(k, n)
+    return f"{k / n:.3f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _paired(a: dict, b: dict) -> str:
+    """'won / lost (p)' of eval b against eval a, on the episodes they share."""
+    p = compare(a, b)["paired"]
+    return "unpaired" if p is None else f"{p['b_only']} / {p['a_only']} (p = {p['p']:.2g})"
+
+
+def rows(out: Path, n: int, base: dict) -> list[str]:
+    last = f"iter_{n:03d}"
+    variants = sorted(
+        (d for d in out.iterdir() if (d / ".wamrl").is_dir() or (d / last).is_dir()),
+        key=lambda d: (d.name != "recipe", d.name),
+    )
+    evals = {d.name: _json(d / last / "eval.json") for d in variants}
+    recipe = evals.get("recipe")
+    head = (
+        f"| variant | policy {n} [95 % CI] | vs the base: won / lost | vs `recipe`: won / lost "
+        "| rollout success, iterations 1.. | KL of the update, iterations 1.. |"
+    )
+    lines = [head, "|" + " --- |" * 6]
+    lines.append(f"| base | {_rate(base)} | | | | |")
+    for d in variants:
+        ev = evals[d.name]
+        rollout, kl = [], []
+        for i in range(1, n + 1):
+            done = _json(d / f"iter_{i:03d}" / "reward.done")
+            actor = _json(d / f"iter_{i:03d}" / "actor" / "metrics.json")
+            if done:
+                rollout.append(f"{round(done['success_rate'] * done['episodes'])}/{done['episodes']}")
+            if actor and actor.get("kl") is not None:
+                kl.append(f"{actor['kl']:.2g}")
+        trail = f"{', '.join(rollout)} | {', '.join(kl)} |"
+        if ev is None:
+            lines.append(f"| `{d.name}` | not finished | | | {trail}")
+            continue
+        vs_recipe = "" if d.name == "recipe" or recipe is None else _paired(recipe, ev)
+        lines.append(
+            f"| `{d.name}` | {_rate(ev)} | {_paired(base, ev)} "
+            f"| {vs_recipe} | {trail}"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("out", type=Path, help="ablate_gpu.sh's OUT_DIR (one folder per variant)")
+    ap.add_argument("n", type=int, help="the iteration whose policy was scored")
+    ap.add_argument("--base", type=Path, required=True, help="the base policy's eval.json")
+    args = ap.parse_args()
+    base = _json(args.base)
+    if base is None:
+        sys.exit(f"ablation_table: no such eval: {args.base}")
+    if not args.out.is_dir():
+        sys.exit(f"ablation_table: no such folder: {args.out}")
+    print("\n".join(rows(args.out, args.n, base)))
+
+
+if __name__ == "__main__":
+    main()
