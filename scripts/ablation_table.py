@@ -67,7 +67,9 @@ def rows(out: Path, n: int, base: dict) -> list[str]:
             done = _json(d / f"iter_{i:03d}" / "reward.done")
             actor = _json(d / f"iter_{i:03d}" / "actor" / "metrics.json")
             if done:
-                rollout.append(f"{round(done['success_rate'] * done['episodes'])}/{done['episodes']}")
+                rollout.append(
+                    f"{round(done['success_rate'] * done['episodes'])}/{done['episodes']}"
+                )
             if actor and actor.get("kl") is not None:
                 kl.append(f"{actor['kl']:.2g}")
         trail = f"{', '.join(rollout)} | {', '.join(kl)} |"
@@ -75,10 +77,7 @@ def rows(out: Path, n: int, base: dict) -> list[str]:
             lines.append(f"| `{d.name}` | not finished | | | {trail}")
             continue
         vs_recipe = "" if d.name == "recipe" or recipe is None else _paired(recipe, ev)
-        lines.append(
-            f"| `{d.name}` | {_rate(ev)} | {_paired(base, ev)} "
-            f"| {vs_recipe} | {trail}"
-        )
+        lines.append(f"| `{d.name}` | {_rate(ev)} | {_paired(base, ev)} | {vs_recipe} | {trail}")
     return lines
 
 

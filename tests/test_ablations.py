@@ -5,8 +5,8 @@ refuses an unknown variant before it starts anything."""
 from __future__ import annotations
 
 import re
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 from wamrl.config import load_config
