@@ -9,10 +9,11 @@
 # `recipe` is the unchanged recipe; its run also scores the base (iter_000/eval.json) unless
 # BASE_EVAL=0 (the eval is deterministic: a base score of the same eval config may be copied
 # in). EXTRA_CONFIG (YAML files) is merged under every variant, e.g. a seed. JOBS variants
-# run at once (default 1): the rollout uses ~40 % of the box's physics (issue #25), so a few
-# side by side take little longer than one, but every env process holds ~1 GB, so give each
-# fewer envs (rollout.envs_per_worker, eval.envs) when JOBS x envs outgrows the memory. The
-# environment is rl_gpu.sh's (LIBERO and wheels installed, EGL exported).
+# run at once (default 1): one rollout reached ~0.4 of the box's env-physics rate (issue
+# #25), so a few side by side should share its cores (not yet measured). Every env process
+# holds ~1 GB: give each variant fewer envs (rollout.envs_per_worker, eval.envs) where JOBS
+# x envs outgrows the memory. The environment is rl_gpu.sh's (LIBERO and wheels installed,
+# EGL exported).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: ablate_gpu.sh OUT_DIR [N] [NAME ...]}")
@@ -25,7 +26,10 @@ for name in "${names[@]}"; do  # every name checked before any GPU time is spent
     || { echo "no such ablation: configs/ablations/$name.yaml" >&2; exit 2; }
 done
 common=()
-for f in ${EXTRA_CONFIG:-}; do common+=("$(realpath "$f")"); done
+for f in ${EXTRA_CONFIG:-}; do
+  [[ -f $f ]] || { echo "ablate_gpu.sh: EXTRA_CONFIG: no such file: $f" >&2; exit 2; }
+  common+=("$(realpath "$f")")
+done
 mkdir -p "$out"
 log() { echo "$(date +%T) $*" | tee -a "$out/progress.log"; }
 last=$(printf 'iter_%03d/eval.json' "$n")

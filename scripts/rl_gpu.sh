@@ -17,6 +17,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run=$(realpath -m "$1")
+extras=()
+for f in ${EXTRA_CONFIG:-}; do  # checked before anything is unpacked or started
+  [[ -f $f ]] || { echo "rl_gpu.sh: EXTRA_CONFIG: no such file: $f" >&2; exit 2; }
+  extras+=("$(realpath "$f")")
+done
 export PYTHONUNBUFFERED=1 MUJOCO_GL=egl COLUMNS=200
 if [[ $# -ge 2 ]]; then
   [[ -d /root/lb/site ]] || python3 scripts/libero_bundle.py unpack "$2" /root/lb
@@ -46,8 +51,6 @@ if ! command -v wamrl >/dev/null; then
 fi
 iters=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['pipeline']['iterations'])" configs/rl_gpu.yaml)
 targets=${TARGETS:-iter_000/eval.json $(printf 'iter_%03d/eval.json' "$iters")}
-extras=()
-for f in ${EXTRA_CONFIG:-}; do extras+=("$(realpath "$f")"); done
 cd "$run"
 # No --resources gpu: on one GPU, the tiny model's world-model job runs beside reward and
 # actor (serialising them costs ~30 s per iteration). --rerun-incomplete: a restart resumes.
