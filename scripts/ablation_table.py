@@ -19,25 +19,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wamrl.compare import compare  # noqa: E402
-from wamrl.report import wilson  # noqa: E402
+from wamrl.report import eval_summary  # noqa: E402
 
 
 def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _count(ev: dict) -> tuple[int, int]:
-    """(successes, episodes) over an eval's tasks."""
-    tasks = ev["tasks"].values()
-    return sum(round(t["success_rate"] * t["episodes"]) for t in tasks), sum(
-        int(t["episodes"]) for t in tasks
-    )
-
-
 def _rate(ev: dict) -> str:
-    k, n = _count(ev)
-    lo, hi = wilson(k, n)
-    return f"{k / n:.3f} [{lo:.2f}, {hi:.2f}]"
+    """The eval's pooled rate over its tasks with the Wilson 95 % interval."""
+    avg = eval_summary(ev)["average"]
+    lo, hi = avg["ci95"]
+    return f"{avg['k'] / avg['n']:.3f} [{lo:.2f}, {hi:.2f}]"
 
 
 def _paired(a: dict, b: dict) -> str:

@@ -242,7 +242,7 @@ def _store_tables(it_dir: Path) -> list[tuple[Path, dict[str, np.ndarray]]]:
     return out
 
 
-def _eval_summary(ev: dict[str, Any]) -> dict[str, Any]:
+def eval_summary(ev: dict[str, Any]) -> dict[str, Any]:
     """eval.json's rates with pooled counts and Wilson intervals (per suite and average)."""
     tasks = ev.get("tasks") or {}
     by_suite: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -364,7 +364,7 @@ def collect(run: Path) -> dict[str, Any]:
             }
         ev = _json(it_dir / "eval.json")
         if ev and ev.get("tasks"):
-            row["eval"] = _eval_summary(ev)
+            row["eval"] = eval_summary(ev)
             evals.append(ev)
         rows.append(row)
     jobs = stage_jobs(run) if run.is_dir() else []
