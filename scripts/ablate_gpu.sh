@@ -10,17 +10,18 @@
 # BASE_EVAL=0 (the eval is deterministic: a base score of the same eval config may be copied
 # in). EXTRA_CONFIG (YAML files) is merged under every variant, e.g. a seed. JOBS variants
 # run at once (default 1): one rollout reached ~0.4 of the box's env-physics rate (issue
-# #25), so a few side by side should share its cores (not yet measured). Every env process
-# holds ~1 GB: give each variant fewer envs (rollout.envs_per_worker, eval.envs) where JOBS
-# x envs outgrows the memory. The environment is rl_gpu.sh's (LIBERO and wheels installed,
-# EGL exported).
+# #25); five side by side at 12 envs each rolled out 160 episodes each in 4-5.3 min on an
+# H100 (data/rl_ablation_object; one variant alone: a whole iteration in ~3 min). Every env
+# process holds ~1 GB: give each variant fewer envs (rollout.envs_per_worker, eval.envs)
+# where JOBS x envs outgrows the memory. The environment is rl_gpu.sh's (LIBERO and wheels
+# installed, EGL exported).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: ablate_gpu.sh OUT_DIR [N] [NAME ...]}")
 n=${2:-3}
 shift $(($# >= 2 ? 2 : 1))
 names=("$@")
-[[ ${#names[@]} -gt 0 ]] || names=(recipe beta0 wm_live wm_frozen lr_half ref_kl0 adv_step kstar6 minibatch512 noise_a05 groups10 anneal_none beta1_05)
+[[ ${#names[@]} -gt 0 ]] || names=(recipe beta0 wm_live wm_frozen kl_half lr_half ref_kl0 adv_step kstar6 minibatch512 noise_a05 groups10 anneal_none beta1_05)
 for name in "${names[@]}"; do  # every name checked before any GPU time is spent
   [[ $name == recipe || -f configs/ablations/$name.yaml ]] \
     || { echo "no such ablation: configs/ablations/$name.yaml" >&2; exit 2; }
@@ -31,6 +32,15 @@ for f in ${EXTRA_CONFIG:-}; do
   common+=("$(realpath "$f")")
 done
 mkdir -p "$out"
+if (( ${JOBS:-1} > 1 )); then
+  # The GPU slot locks (jobs_per_gpu, wamrl/runtime.py) are the machine's, shared by every run
+  # dir: at the recipe's 3, five variants side by side queued for the GPU (a rollout holds its
+  # slot for ~5 min), and two waited ~5 min to start. Each variant runs at most two GPU jobs at
+  # once (reward beside world model); three rollouts held 19 GB of an H100's 80. Merged
+  # first, so an EXTRA_CONFIG that sets jobs_per_gpu wins.
+  printf 'jobs_per_gpu: %d\n' $((2 * JOBS)) >"$out/side_by_side.yaml"
+  common=("$out/side_by_side.yaml" "${common[@]}")
+fi
 log() { echo "$(date +%T) $*" | tee -a "$out/progress.log"; }
 last=$(printf 'iter_%03d/eval.json' "$n")
 variant() {
