@@ -9,11 +9,12 @@
 # `recipe` is the unchanged recipe; its run also scores the base (iter_000/eval.json) unless
 # BASE_EVAL=0 (the eval is deterministic: a base score of the same eval config may be copied
 # in). EXTRA_CONFIG (YAML files) is merged under every variant, e.g. a seed. JOBS variants
-# run at once (default 1): one rollout reached ~0.4 of the box's env-physics rate (issue
-# #25); five side by side at 12 envs each rolled out 160 episodes each in 4-5.3 min on an
-# H100 (data/rl_ablation_object; one variant alone: a whole iteration in ~3 min). Every env
-# process holds ~1 GB: give each variant fewer envs (rollout.envs_per_worker, eval.envs)
-# where JOBS x envs outgrows the memory. The environment is rl_gpu.sh's (LIBERO and wheels
+# run at once (default 1). They share the cores rather than add to them: three rollouts at
+# once (12 envs each) stepped ~520 env steps/s together on an H100 box, about what one alone
+# does (v9: 160 episodes in 95-127 s); the gain is in one variant's reward, actor, merge and
+# start-up running beside another's rollout (data/rl_ablation_object). Every env process
+# holds ~1 GB: give each variant fewer envs (rollout.envs_per_worker, eval.envs) where JOBS
+# x envs outgrows the memory. The environment is rl_gpu.sh's (LIBERO and wheels
 # installed, EGL exported).
 set -euo pipefail
 cd "$(dirname "$0")/.."
