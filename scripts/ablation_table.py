@@ -7,6 +7,7 @@ with the Wilson 95 % interval, then paired against the base and against `recipe`
 only the variant won / only the other won, McNemar's exact p; wamrl/compare.py), then per
 iteration the rollout's success (reward.done) and the KL of the actor's update
 (actor/metrics.json). A variant whose policy N has no eval is listed as not finished.
+--png PATH also draws each finished variant's rate with its interval against the base's.
 """
 
 from __future__ import annotations
@@ -74,11 +75,49 @@ def rows(out: Path, n: int, base: dict) -> list[str]:
     return lines
 
 
+def plot(out: Path, n: int, base: dict, png: Path) -> None:
+    """Each finished variant's policy-N rate with its Wilson 95 % interval, the base's rate
+    and interval behind them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, rates, errs = [], [], []
+    for d in sorted(out.iterdir(), key=lambda d: (d.name != "recipe", d.name)):
+        ev = _json(d / f"iter_{n:03d}" / "eval.json")
+        if ev is None:
+            continue
+        avg = eval_summary(ev)["average"]
+        rate = avg["k"] / avg["n"]
+        names.append(d.name)
+        rates.append(rate)
+        errs.append((rate - avg["ci95"][0], avg["ci95"][1] - rate))
+    if not names:
+        sys.exit(f"ablation_table: no variant in {out} has policy {n}'s eval to plot")
+    b = eval_summary(base)["average"]
+    fig, ax = plt.subplots(figsize=(6, 0.5 * len(names) + 1.2))
+    ax.axvspan(*b["ci95"], color="0.9", label="base, 95 % CI")
+    ax.axvline(b["k"] / b["n"], color="0.5", lw=1, label=f"base {b['k'] / b['n']:.3f}")
+    y = range(len(names))[::-1]
+    ax.errorbar(rates, y, xerr=list(zip(*errs, strict=True)), fmt="o", capsize=3)
+    ax.set_yticks(list(y), names)
+    ax.set_xlabel(f"eval success of policy {n} (Wilson 95 % CI)")
+    # Intervals of each rate alone: on the same episodes, the paired counts of the table
+    # resolve differences these overlaps hide.
+    ax.set_title("unpaired intervals; paired tests: the table", fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("out", type=Path, help="ablate_gpu.sh's OUT_DIR (one folder per variant)")
     ap.add_argument("n", type=int, help="the iteration whose policy was scored")
     ap.add_argument("--base", type=Path, required=True, help="the base policy's eval.json")
+    ap.add_argument("--png", type=Path, help="also draw the finished variants' rates here")
     args = ap.parse_args()
     base = _json(args.base)
     if base is None:
@@ -86,6 +125,8 @@ def main() -> None:
     if not args.out.is_dir():
         sys.exit(f"ablation_table: no such folder: {args.out}")
     print("\n".join(rows(args.out, args.n, base)))
+    if args.png:
+        plot(args.out, args.n, base, args.png)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,20 @@ def test_the_table_pairs_each_variant_with_the_base_and_the_recipe(tmp_path: Pat
     assert "| 0 / 0 (p = 1) |" in rows["`same`"]  # the recipe's own episodes: no discordant one
     assert "37/160, 43/160, 55/160, 43/160" in rows["`same`"]
     assert "not finished" in rows["`late`"]
+
+
+def test_the_figure_draws_the_finished_variants_and_refuses_none(tmp_path: Path) -> None:
+    import shutil
+
+    v9 = ROOT / "data" / "rl_object_v9"
+    shutil.copytree(v9, tmp_path / "abl" / "recipe")
+    (tmp_path / "abl" / "late" / ".wamrl").mkdir(parents=True)
+    png = tmp_path / "abl.png"
+    cmd = [sys.executable, str(ROOT / "scripts/ablation_table.py"), str(tmp_path / "abl"), "4",
+           "--base", str(v9 / "iter_000" / "eval.json"), "--png", str(png)]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, timeout=60, check=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shutil.rmtree(tmp_path / "abl" / "recipe")
+    png.unlink()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "no variant" in r.stderr and not png.exists()
