@@ -40,22 +40,27 @@ def _paired(a: dict, b: dict) -> str:
     return "unpaired" if p is None else f"{p['b_only']} / {p['a_only']} (p = {p['p']:.2g})"
 
 
-def rows(out: Path, n: int, base: dict) -> list[str]:
+def variants(out: Path, n: int) -> list[tuple[Path, dict | None]]:
+    """Each variant folder (a run dir, or a shipped copy with iteration n) with its policy-n
+    eval (None: not finished), `recipe` first."""
     last = f"iter_{n:03d}"
-    variants = sorted(
+    dirs = sorted(
         (d for d in out.iterdir() if (d / ".wamrl").is_dir() or (d / last).is_dir()),
         key=lambda d: (d.name != "recipe", d.name),
     )
-    evals = {d.name: _json(d / last / "eval.json") for d in variants}
-    recipe = evals.get("recipe")
+    return [(d, _json(d / last / "eval.json")) for d in dirs]
+
+
+def rows(out: Path, n: int, base: dict) -> list[str]:
+    found = variants(out, n)
+    recipe = {d.name: ev for d, ev in found}.get("recipe")
     head = (
         f"| variant | policy {n} [95 % CI] | vs the base: won / lost | vs `recipe`: won / lost "
         "| rollout success, iterations 1.. | KL of the update, iterations 1.. |"
     )
     lines = [head, "|" + " --- |" * 6]
     lines.append(f"| base | {_rate(base)} | | | | |")
-    for d in variants:
-        ev = evals[d.name]
+    for d, ev in found:
         rollout, kl = [], []
         for i in range(1, n + 1):
             done = _json(d / f"iter_{i:03d}" / "reward.done")
@@ -84,8 +89,7 @@ def plot(out: Path, n: int, base: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     names, rates, errs = [], [], []
-    for d in sorted(out.iterdir(), key=lambda d: (d.name != "recipe", d.name)):
-        ev = _json(d / f"iter_{n:03d}" / "eval.json")
+    for d, ev in variants(out, n):
         if ev is None:
             continue
         avg = eval_summary(ev)["average"]
