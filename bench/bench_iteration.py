@@ -42,7 +42,8 @@ main: config checks, hashing, TensorBoard, set-up).
 largest), the rollout's and the eval's add up. The closing ratio divides the iteration's
 wall (first rollout launch to eval's exit) by it. A second ratio divides by the env-only
 wall (cold: spawns, imports and env builds included).
-Figures go to --json (default bench_iteration.json in the current folder).
+Figures go to --json (default bench_iteration.json in the current folder), with every env
+process's own record (`env_records`: phases and time stamps) beside the means.
 """
 
 from __future__ import annotations
@@ -534,9 +535,13 @@ def main() -> None:
             env_recs = read_all(job.timing_dir, "env")
             if env_recs:
                 row["env"] = mean_env(env_recs, recs[0]["marks"].get("pool_start@"))
+                # every process's own phases and time stamps: the means hide a slow few, and
+                # the timing folders stay behind on a machine that is given back
+                row["env_records"] = env_recs
             figures["jobs"][job_name(job.stage, job.worker)] = row
         for o in only.values():
-            o["env"] = mean_env(read_all(o["timing_dir"], "env"), o["spawned_at"])
+            o["env_records"] = read_all(o["timing_dir"], "env")
+            o["env"] = mean_env(o["env_records"], o["spawned_at"])
         figures["env_only"] = only
         rollouts = [
             figures["jobs"][job_name("rollout", w)] for w in range(cfg["rollout"]["workers"])

@@ -211,3 +211,33 @@ def test_spawn_and_imports(bench):
     assert b["imp"] == pytest.approx(5.0)  # its own imports + robosuite/LIBERO in the first build
     assert b["build"] == pytest.approx(3.0)
     assert bench.env_breakdown(rec)["spawn"] == 0.0
+
+
+@pytest.mark.e2e
+@pytest.mark.libero
+def test_bench_runs_one_micro_iteration_and_keeps_every_env_record(tmp_path):
+    """The whole benchmark on tests/micro.yaml: every job of the iteration and both env-only
+    pools are timed, each env process's own record is kept beside the means, and the
+    closing ratio is the iteration's wall over its physics."""
+    import os
+    import subprocess
+
+    out = tmp_path / "bi.json"
+    gl = os.environ.get("MUJOCO_GL", "egl")
+    cmd = [sys.executable, str(REPO / "bench" / "bench_iteration.py"), "--config",
+           str(REPO / "tests" / "micro.yaml"), "--set", f"env.mujoco_gl={gl}",
+           "--run-dir", str(tmp_path / "run"), "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    fig = json.loads(out.read_text())
+    jobs = fig["jobs"]
+    stages = ["init", "rollout_000", "rollout_001", "reward", "actor", "world_model", "merge"]
+    assert set(jobs) == {*stages, "eval"}
+    for name in ["rollout_000", "rollout_001", "eval"]:  # micro.yaml: one env per pool
+        recs = jobs[name]["env_records"]
+        assert len(recs) == jobs[name]["env"]["processes"] == 1
+        assert recs[0]["phases"]["reset"]["n"] >= 1
+    for pool in fig["env_only"].values():
+        assert len(pool["env_records"]) == pool["env"]["processes"]
+    s = fig["summary"]
+    assert s["ratio"] == pytest.approx(s["iteration_wall"] / s["env_physics"])
+    assert s["env_physics"] == pytest.approx(s["physics_rollout"] + s["physics_eval"])
