@@ -146,6 +146,8 @@ def env_breakdown(rec: dict[str, Any], spawned_at: float | None = None) -> dict[
         "physics_no_render": _s(p, "reset") + _s(p, "step") - _s(p, "render"),
         "env_steps": float(_n(p, "step")),
         "resets": float(reset_n),
+        # the first reset alone (renders in): a cold scene or shader cache shows up here
+        "reset_first": float(p.get("reset", {}).get("first", 0.0)),
     }
 
 

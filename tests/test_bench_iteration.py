@@ -86,6 +86,9 @@ def test_env_breakdown_takes_the_reset_renders_out_of_the_steps(bench):
     assert b["physics"] == pytest.approx(13.0)  # reset + step, renders included
     # exclusive parts add up to the inclusive time
     assert b["reset"] + b["step"] + b["render"] - 0.5 == pytest.approx(b["physics"])
+    assert b["reset_first"] == 0.0  # a record written before first intervals were kept
+    rec["phases"]["reset"]["first"] = 2.5
+    assert bench.env_breakdown(rec)["reset_first"] == 2.5
 
 
 def test_mean_env_and_physics_floor(bench):
@@ -202,6 +205,17 @@ def test_phases_relabel_last():
     assert p.seconds == {"wait": 1.0, "tail": 3.0} and p.counts == {"wait": 1, "tail": 1}
     p.relabel_last("missing", "tail")  # nothing to move
     assert p.counts["tail"] == 1
+
+
+def test_phases_keep_each_phases_first_interval():
+    p = timing.Phases()
+    p.add("reset", 5.0)  # a cold first reset
+    p.add("reset", 1.0)
+    p.add("wait", 2.0)
+    p.relabel_last("wait", "tail")  # wait's only interval moves: it has no first any more
+    d = p.as_dict()["phases"]
+    assert d["reset"] == {"s": 6.0, "n": 2, "first": 5.0}
+    assert d["tail"]["first"] == 2.0 and d["wait"]["first"] == 0.0
 
 
 def test_spawn_and_imports(bench):

@@ -32,15 +32,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Phases:
-    """Seconds and call counts per phase name, the last duration of each, and time stamps."""
+    """Seconds and call counts per phase name, the first and last duration of each, and time
+    stamps. The first is kept apart because one-off costs (a cold cache, a GL context's first
+    render) land in a phase's first call and vanish in its mean."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.marks: dict[str, float] = {}
 
     def add(self, name: str, seconds: float, count: int = 1) -> None:
+        if self.counts.get(name, 0) == 0:
+            self.first[name] = seconds
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.counts[name] = self.counts.get(name, 0) + count
         self.last[name] = seconds
@@ -51,6 +56,8 @@ class Phases:
             s = self.last.pop(old)
             self.seconds[old] -= s
             self.counts[old] -= 1
+            if self.counts[old] == 0:
+                self.first.pop(old, None)
             self.add(new, s)
 
     def mark(self, name: str) -> None:
@@ -59,7 +66,10 @@ class Phases:
     def as_dict(self) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
-            "phases": {k: {"s": v, "n": self.counts[k]} for k, v in self.seconds.items()},
+            "phases": {
+                k: {"s": v, "n": self.counts[k], "first": self.first.get(k, 0.0)}
+                for k, v in self.seconds.items()
+            },
             "marks": dict(self.marks),
         }
 
