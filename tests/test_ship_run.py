@@ -72,3 +72,20 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path, bad: st
     assert r.returncode == 2 and "ship_run:" in r.stderr
     left = sorted(p.name for p in dest.rglob("*")) if dest.exists() else []
     assert left == (["README.md"] if bad == "dest_not_empty" else [])
+
+
+def test_git_keeps_shipped_iterations_and_ignores_run_dirs() -> None:
+    """A run's iter_NNN/ folders are ignored (a run in the checkout stays out of commits),
+    except under data/, where ship_run.sh puts what is shipped on purpose: an ignore rule that
+    caught those too once left two shipped runs without their metrics and evals."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        r = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, timeout=30)
+        return r.returncode == 0
+
+    assert ignored("iter_001/policy/model.safetensors")
+    assert ignored("some/run/iter_012/eval.json")
+    assert not ignored("data/rl_object_v10/iter_008/eval.json")
+    assert not ignored("data/rl_ketchup_cpu/rerun_seed2/recipe/iter_001/reward.done")
