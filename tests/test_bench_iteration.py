@@ -250,6 +250,7 @@ def test_bench_runs_one_micro_iteration_and_keeps_every_env_record(tmp_path):
         recs = jobs[name]["env_records"]
         assert len(recs) == jobs[name]["env"]["processes"] == 1
         assert recs[0]["phases"]["reset"]["n"] >= 1
+        assert 0 < jobs[name]["env"]["reset_first"] == recs[0]["phases"]["reset"]["first"]
     for pool in fig["env_only"].values():
         assert len(pool["env_records"]) == pool["env"]["processes"]
     s = fig["summary"]
